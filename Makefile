@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` (generate text on the built-in model) and `make test`.
+# Both first run `setup`: a virtual environment, the Python dependencies, and the patched llama.cpp
+# (built once per set of inputs and cached in ~/.cache/sparq-cpp, so a second run takes seconds).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BUILD_ARGS ?=
+
+.PHONY: setup demo test test-slow build tree export clean
+setup: $(VENV)/.deps build
+
+$(VENV)/.deps: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+build: $(VENV)/.deps
+	$(PY) -m sparq_cpp.pyext.build $(BUILD_ARGS)
+
+demo: setup
+	$(VENV)/bin/sparq-cpp generate -n 48 --prompt "The quick brown fox"
+
+# pytest exits 5 when it collected nothing: that is a broken test run here, not a pass.
+test: setup
+	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test-slow: setup
+	@$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Developers: an editable patched tree, and patches/ regenerated from its commits.
+tree: $(VENV)/.deps
+	$(PY) -m sparq_cpp.pyext.patchtree init $(TREE)
+
+export:
+	$(PY) -m sparq_cpp.pyext.patchtree export $(TREE)
+
+clean:
+	rm -rf $(VENV) .sparq-build

@@ -1,0 +1,123 @@
+"""`sparq-cpp generate`: stream text from a GGUF model, then report prompt and decode speed."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from sparq_cpp.errors import SparqError
+
+DEFAULT_PROMPT = "Once upon a time"
+
+
+def _read_prompt(prompt, prompt_file) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise SparqError("give either --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise SparqError(f"prompt file not found: {path}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise SparqError(f"prompt file {path} is not UTF-8 text") from None
+    return DEFAULT_PROMPT if prompt is None else prompt
+
+
+def _resolve_model(gguf):
+    if gguf is not None:
+        return Path(gguf)
+    from sparq_cpp.modelfactory import default_model_path
+
+    click.echo("no --gguf given: using the built-in synthetic model (random weights, so the text is noise)",
+               err=True)
+    return default_model_path()
+
+
+class _Utf8Stream:
+    """Detokenized pieces can split a UTF-8 character; print only complete characters."""
+
+    def __init__(self, out):
+        self.out, self.pending = out, b""
+
+    def write(self, data: bytes):
+        self.pending += data
+        text = self.pending.decode("utf-8", errors="ignore")
+        # keep an incomplete trailing sequence for the next piece
+        complete = len(text.encode("utf-8"))
+        if complete < len(self.pending) and len(self.pending) - complete < 4:
+            self.pending = self.pending[complete:]
+        else:
+            self.pending = b""
+        self.out.write(text)
+        self.out.flush()
+
+
+@click.command("generate")
+@click.option("--gguf", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file (default: a built-in synthetic model).")
+@click.option("--prompt", "-p", default=None, help=f"Prompt text (default: {DEFAULT_PROMPT!r}).")
+@click.option("--prompt-file", "-f", default=None, help="Read the prompt from this UTF-8 file.")
+@click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
+              help="Tokens to generate.")
+@click.option("--ctx-size", "-c", type=int, default=4096, show_default=True, help="Context size.")
+@click.option("--threads", "-t", type=int, default=None, help="Threads (default: all cores).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--temp", "--temperature", "temp", type=float, default=0.8, show_default=True,
+              help="Sampling temperature; 0 is greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True)
+@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
+              help="KV cache type.")
+def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type):
+    """Generate text, streaming it, then print prompt and decode speed."""
+    from sparq_cpp.llm import open_model
+
+    if n_predict < 1:
+        raise SparqError(f"-n must be >= 1, got {n_predict}")
+    if temp < 0:
+        raise SparqError(f"--temp must be >= 0, got {temp}")
+    text = _read_prompt(prompt, prompt_file)
+    llm, summary = open_model(_resolve_model(gguf), n_ctx=ctx_size, n_threads=threads, seed=seed,
+                              cache_type=cache_type)
+    tokens = llm.tokenize(text.encode("utf-8"), add_bos=True)
+    if len(tokens) + n_predict > ctx_size:
+        raise SparqError(f"the prompt is {len(tokens)} tokens; with -n {n_predict} that needs "
+                         f"{len(tokens) + n_predict} positions, more than --ctx-size {ctx_size}")
+
+    out = _Utf8Stream(sys.stdout)
+    out.write(text.encode("utf-8"))
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    t_prompt = time.perf_counter() - t0
+
+    eos, generated, t_decode = llm.token_eos(), 0, 0.0
+    prev = tokens[-1:]
+    for _ in range(n_predict):
+        tok = llm.sample(temp=temp, top_k=top_k, top_p=top_p) if temp > 0 else _greedy(llm)
+        if tok == eos:
+            break
+        out.write(llm.detokenize([tok], prev_tokens=prev))
+        prev = [tok]
+        generated += 1
+        t1 = time.perf_counter()
+        llm.eval([tok])
+        t_decode += time.perf_counter() - t1
+    sys.stdout.write("\n")
+    _report(summary, len(tokens), t_prompt, generated, t_decode, llm)
+
+
+def _greedy(llm):
+    return llm.sample(top_k=1, top_p=1.0, min_p=0.0, temp=0.0)
+
+
+def _report(summary, n_prompt, t_prompt, n_gen, t_decode, llm):
+    def rate(n, t):
+        return f"{n / t:8.2f} tok/s, {1000 * t / n:8.2f} ms/token" if n and t > 0 else "   n/a"
+
+    click.echo(f"model   {summary.path.name}: {summary.n_layer} layers, {summary.n_head} heads "
+               f"({summary.n_head_kv} KV) of {summary.head_dim}, threads {llm.n_threads}", err=True)
+    click.echo(f"prompt  {n_prompt:6d} tokens in {t_prompt:7.3f} s  {rate(n_prompt, t_prompt)}", err=True)
+    click.echo(f"decode  {n_gen:6d} tokens in {t_decode:7.3f} s  {rate(n_gen, t_decode)}", err=True)

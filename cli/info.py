@@ -1,0 +1,46 @@
+"""`sparq-cpp info`: which patched llama.cpp build is in use, and what it can run on."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import click
+
+from sparq_cpp.errors import SparqError
+
+
+def backends(lib_dir: Path) -> list[str]:
+    """Names of the ggml backends the build registered (CPU, CUDA, ...)."""
+    lib = ctypes.CDLL(str(lib_dir / "libggml.so"))
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    return [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode()
+            for i in range(lib.ggml_backend_reg_count())]
+
+
+@click.command("info")
+def command():
+    """Print the pin, the patch series, the backends and CPU features of the build in use."""
+    from sparq_cpp.llm import import_llama_cpp
+    from sparq_cpp.pyext.build import installed_build
+    from sparq_cpp.pyext.patchtree import series, series_hash
+    from sparq_cpp.pyext.upstream import Pin
+
+    pin = Pin.load()
+    click.echo(f"upstream      {pin.package} {pin.version} (sdist sha256 {pin.sha256[:16]}...)")
+    click.echo(f"patch series  {len(series())} patches, sha256 {series_hash()[:16]} (this checkout)")
+    rec = installed_build()
+    if rec is None:
+        raise SparqError("no patched llama.cpp build is installed in this environment; run `make setup`")
+    stale = "" if rec["series_hash"] == series_hash() else "  ** differs from this checkout: run `make setup` **"
+    click.echo(f"build in use  {rec['key']}: series sha256 {rec['series_hash'][:16]}{stale}")
+    click.echo(f"build options {rec['options']}")
+    llama_cpp = import_llama_cpp()
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    click.echo(f"library       {lib_dir}")
+    click.echo(f"backends      {', '.join(backends(lib_dir))}")
+    click.echo(f"cpu features  {llama_cpp.llama_print_system_info().decode().strip()}")
+    click.echo(f"tools         {Path(rec['tools']['llama-bench']).parent}")

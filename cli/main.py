@@ -1,0 +1,44 @@
+"""The `sparq-cpp` command. Each subcommand lives in its own module of this package."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from sparq_cpp.errors import SparqError
+
+
+class _Group(click.Group):
+    """Turns SparqError into one clear line on stderr and exit status 2, with no traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SparqError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="sparq-cpp")
+def cli():
+    """SparQ and Loki sparse attention for llama.cpp."""
+
+
+def _register():
+    from sparq_cpp.cli import generate, info, make_model  # noqa: F401  (each adds its command)
+
+    for mod in (generate, info, make_model):
+        cli.add_command(mod.command)
+
+
+def main():
+    _register()
+    cli(prog_name="sparq-cpp")
+
+
+if __name__ == "__main__":
+    main()

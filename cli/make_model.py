@@ -1,0 +1,41 @@
+"""`sparq-cpp make-model`: write a synthetic Llama GGUF (random weights, working tokenizer)."""
+from __future__ import annotations
+
+import click
+
+from sparq_cpp.modelfactory import PRESETS, WTYPES, resolve_geometry, write_model
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError
+
+
+@click.command("make-model")
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
+              help="Geometry to start from.")
+@click.option("--layers", type=int, default=None, help="Number of layers (default: the preset's).")
+@click.option("--wtype", type=click.Choice(list(WTYPES)), default="f32", show_default=True,
+              help="Type of the matrix weights and the embedding; norms stay f32.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
+@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="GGUF file to write.")
+@click.option("--n-embd", type=int, default=None, help="Override the embedding size.")
+@click.option("--n-head", type=int, default=None, help="Override the number of query heads.")
+@click.option("--n-head-kv", type=int, default=None, help="Override the number of KV heads.")
+@click.option("--n-ff", type=int, default=None, help="Override the feed-forward size.")
+@click.option("--n-vocab", type=int, default=None, help="Override the vocabulary size.")
+@click.option("--ctx", "n_ctx_train", type=int, default=None, help="Override the training context length.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+def command(preset, layers, wtype, seed, out, progress, **overrides):
+    """Write a synthetic Llama-architecture GGUF model to --out."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    geo = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
+    path = write_model(out, preset, layers=layers, wtype=wtype, seed=seed, progress=progress, **overrides)
+    click.echo(f"{path}  {_size(path.stat().st_size)}")
+    click.echo(f"preset {preset}, wtype {wtype}, seed {seed}: n_layer {geo.n_layer}, n_embd {geo.n_embd}, "
+               f"n_head {geo.n_head}, n_head_kv {geo.n_head_kv}, head_dim {geo.head_dim}, "
+               f"n_ff {geo.n_ff}, n_vocab {geo.n_vocab}, n_ctx_train {geo.n_ctx_train}, "
+               f"rope_freq_base {geo.rope_freq_base:g}")

@@ -1,0 +1,80 @@
+"""Check a GGUF file before llama.cpp sees it, so bad input gets one clear line instead of a crash."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparq_cpp.errors import SparqError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHS = ("llama",)
+
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    path: Path
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ctx_train: int
+    n_vocab: int
+    file_type: int | None
+    name: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
+    """Open `path` with the gguf package and check it is a complete GGUF of a supported architecture."""
+    path = Path(path)
+    if not path.exists():
+        raise SparqError(f"model file not found: {path}")
+    if not path.is_file():
+        raise SparqError(f"model path is not a file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise SparqError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on damage
+        raise SparqError(f"{path} is a damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
+    # The reader memory-maps tensor data lazily; a truncated file shows as data past the end.
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise SparqError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise SparqError(f"{path} has no general.architecture key; not a model GGUF")
+    if arch not in archs:
+        raise SparqError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(archs)})")
+
+    def hp(name, default=None):
+        v = _field(reader, f"{arch}.{name}", default)
+        if v is None:
+            raise SparqError(f"{path}: missing key {arch}.{name}")
+        return int(v)
+
+    n_head = hp("attention.head_count")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return GGUFSummary(
+        path=path, arch=arch, n_layer=hp("block_count"), n_embd=hp("embedding_length"),
+        n_head=n_head, n_head_kv=hp("attention.head_count_kv", n_head),
+        n_ctx_train=hp("context_length"),
+        n_vocab=len(tokens.data) if tokens is not None else hp("vocab_size", 0),
+        file_type=_field(reader, "general.file_type"), name=str(_field(reader, "general.name", path.stem)),
+    )

@@ -1,0 +1,341 @@
+"""Synthetic Llama-architecture GGUF models: real shapes, random weights, a working tokenizer.
+
+No weights can be downloaded, so tests and benchmarks run on models written here. Weights are
+uniform int8 codes times a per-row scale, so the f32 and q8_0 files of one seed hold exactly the
+same model (f16 rounds it). q and k projections get a per-head spectrum and a gain so that
+attention is peaked and keys are roughly low-rank, as in trained models, which SparQ and Loki
+rely on. Tensors are generated and written one at a time, each from its own RNG stream, so memory
+stays bounded by the largest tensor and `layers=2` gives the first two layers of the full model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf.constants import GGML_QUANT_VERSION
+
+from sparq_cpp.errors import SparqError
+from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
+
+# Bump whenever the bytes written for the same arguments change (it keys the model cache).
+FACTORY_VERSION = 1
+
+WTYPES = ("f32", "f16", "q8_0")
+QK8_0 = 32  # q8_0 block: one f16 scale and 32 int8 codes
+
+# Standard deviation of int8 codes uniform on [-127, 127].
+_CODE_STD = float(np.sqrt((255**2 - 1) / 12))
+# Target std of the attention logits q.k/sqrt(D) for random inputs: 3 puts ~85% of the attention
+# mass on the top 64 of 2048 keys, peaked but not one-hot.
+QK_LOGIT_STD = 3.0
+# Per-head spectrum of q and k: the variance of rotary pair i falls as (i+1)^-SPECTRUM_POWER, in a
+# random order per KV head. 0.75 puts ~60% of the key variance in a quarter of the dimensions.
+SPECTRUM_POWER = 0.75
+_CHUNK = 1 << 24  # elements generated at a time
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    rope_freq_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+PRESETS: dict[str, ModelGeometry] = {
+    "tiny": ModelGeometry(2, 256, 4, 4, 512, 2048, 4096),
+    "tiny-gqa": ModelGeometry(2, 512, 4, 2, 1024, 2048, 4096),
+    "llama2-7b": ModelGeometry(32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama3-8b": ModelGeometry(32, 4096, 32, 8, 14336, 128256, 8192, rope_freq_base=500000.0),
+    "mistral-7b": ModelGeometry(32, 4096, 32, 8, 14336, 32000, 32768),
+}
+
+_FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+               "q8_0": LlamaFileType.MOSTLY_Q8_0}
+
+
+# ---- arguments ----------------------------------------------------------------------------
+
+def resolve_geometry(preset: str = "tiny", *, layers: int | None = None, wtype: str = "f32",
+                     **overrides) -> ModelGeometry:
+    """The preset's geometry with overrides applied, checked; SparqError names a bad argument."""
+    if preset not in PRESETS:
+        raise SparqError(f"preset: unknown {preset!r} (choose from {', '.join(PRESETS)})")
+    if wtype not in WTYPES:
+        raise SparqError(f"wtype: unknown {wtype!r} (choose from {', '.join(WTYPES)})")
+    fields = {f.name for f in dataclasses.fields(ModelGeometry)}
+    for key in overrides:
+        if key not in fields:
+            raise SparqError(f"{key}: not a geometry field (choose from {', '.join(sorted(fields))})")
+    if layers is not None:
+        if not _is_int(layers) or layers < 1:
+            raise SparqError(f"layers: must be an integer >= 1, got {layers!r}")
+        overrides["n_layer"] = layers
+    geo = dataclasses.replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    _check_geometry(geo, wtype)
+    return geo
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_geometry(g: ModelGeometry, wtype: str) -> None:
+    for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "n_ctx_train"):
+        value = getattr(g, name)
+        if not _is_int(value) or value < 1:
+            raise SparqError(f"{name}: must be an integer >= 1, got {value!r}")
+    for name in ("rope_freq_base", "rms_eps"):
+        if not float(getattr(g, name)) > 0:
+            raise SparqError(f"{name}: must be > 0, got {getattr(g, name)!r}")
+    if g.n_embd % g.n_head:
+        raise SparqError(f"n_embd: {g.n_embd} is not divisible by n_head {g.n_head}")
+    if g.head_dim % 2:
+        raise SparqError(f"n_head: head size n_embd/n_head = {g.head_dim} must be even for RoPE")
+    if g.n_head % g.n_head_kv:
+        raise SparqError(f"n_head_kv: n_head {g.n_head} is not divisible by n_head_kv {g.n_head_kv}")
+    if g.n_vocab < min_vocab_size():
+        raise SparqError(f"n_vocab: must be at least {min_vocab_size()}, got {g.n_vocab}")
+    if wtype == "q8_0":
+        for name in ("n_embd", "n_ff"):
+            if getattr(g, name) % QK8_0:
+                raise SparqError(f"{name}: must be a multiple of {QK8_0} for wtype q8_0")
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """One independent stream per tensor: a tensor does not depend on which others are written."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _row_scales(row_std: np.ndarray) -> np.ndarray:
+    """Per-row scale of the int8 codes, rounded to f16 so that q8_0 stores it exactly."""
+    return (np.asarray(row_std, np.float32) / _CODE_STD).astype(np.float16).astype(np.float32)
+
+
+def _encode(codes: np.ndarray, scales: np.ndarray, wtype: str) -> np.ndarray:
+    """Rows of int8 codes times their scales, in wtype's storage (q8_0: uint8 blocks)."""
+    if wtype == "q8_0":
+        rows, cols = codes.shape
+        blocks = np.empty((rows, cols // QK8_0, 2 + QK8_0), np.uint8)
+        blocks[:, :, :2] = scales.astype(np.float16).view(np.uint8).reshape(rows, 1, 2)
+        blocks[:, :, 2:] = codes.view(np.uint8).reshape(rows, -1, QK8_0)
+        return blocks.reshape(rows, -1)
+    values = codes.astype(np.float32)
+    values *= scales[:, None]
+    return values.astype(np.float16) if wtype == "f16" else values
+
+
+def _storage(rows: int, cols: int, wtype: str) -> tuple[tuple[int, int], np.dtype]:
+    if wtype == "q8_0":
+        return (rows, cols // QK8_0 * (2 + QK8_0)), np.dtype(np.uint8)
+    return (rows, cols), np.dtype(np.float16 if wtype == "f16" else np.float32)
+
+
+def _matrix(rng: np.random.Generator, row_std: np.ndarray, cols: int, wtype: str) -> np.ndarray:
+    """A (rows, cols) weight with the given per-row std, generated in chunks of rows."""
+    rows = len(row_std)
+    scales = _row_scales(row_std)
+    shape, dtype = _storage(rows, cols, wtype)
+    out = np.empty(shape, dtype)
+    step = max(1, _CHUNK // cols)
+    for r in range(0, rows, step):
+        codes = rng.integers(-127, 128, (min(step, rows - r), cols), dtype=np.int8)
+        out[r:r + len(codes)] = _encode(codes, scales[r:r + len(codes)], wtype)
+    return out
+
+
+def _qk_row_std(g: ModelGeometry, seed: int, il: int, n_heads: int) -> np.ndarray:
+    """Per-row std of attn_q or attn_k: a spectrum over rotary pairs shared by q and k heads.
+
+    llama.cpp's RoPE (normal mode) rotates pairs of adjacent dimensions, so both get one scale.
+    A query head uses the spectrum of the KV head it reads. The gain puts the attention logits'
+    std at QK_LOGIT_STD: with q_j, k_j ~ gain * s_j, var(q.k / sqrt(D)) = gain^4 * mean(s^4).
+    """
+    n_pair = g.head_dim // 2
+    base = (np.arange(n_pair) + 1.0) ** (-SPECTRUM_POWER / 2)
+    base /= np.sqrt(np.mean(base**2))
+    rng = _rng(seed, f"blk.{il}.qk_spectrum")
+    spectra = np.stack([rng.permutation(base) for _ in range(g.n_head_kv)])  # (kv heads, pairs)
+    gain = np.sqrt(QK_LOGIT_STD / np.sqrt(np.mean(base**4)))
+    per_head = np.repeat(spectra, n_heads // g.n_head_kv, axis=0)  # q heads share their KV head's
+    per_row = np.repeat(per_head, 2, axis=1).reshape(-1)
+    return gain * per_row / np.sqrt(g.n_embd)
+
+
+def _tensors(g: ModelGeometry, seed: int) -> Iterator[tuple[str, int, int, object]]:
+    """(name, rows, cols, row std or None for an f32 norm of ones) in llama.cpp's order.
+
+    Row stds are 1/sqrt(fan_in) so every projection keeps unit-scale activations; the embedding
+    has unit std so the first layer sees inputs like the residual stream's.
+    """
+    n_q, n_kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+
+    def flat(rows: int, fan_in: int) -> np.ndarray:
+        return np.full(rows, 1.0 / np.sqrt(fan_in))
+
+    yield "token_embd.weight", g.n_vocab, g.n_embd, np.ones(g.n_vocab)
+    for il in range(g.n_layer):
+        b = f"blk.{il}."
+        yield b + "attn_norm.weight", 1, g.n_embd, None
+        yield b + "attn_q.weight", n_q, g.n_embd, _qk_row_std(g, seed, il, g.n_head)
+        yield b + "attn_k.weight", n_kv, g.n_embd, _qk_row_std(g, seed, il, g.n_head_kv)
+        yield b + "attn_v.weight", n_kv, g.n_embd, flat(n_kv, g.n_embd)
+        yield b + "attn_output.weight", g.n_embd, n_q, flat(g.n_embd, n_q)
+        yield b + "ffn_norm.weight", 1, g.n_embd, None
+        yield b + "ffn_gate.weight", g.n_ff, g.n_embd, flat(g.n_ff, g.n_embd)
+        yield b + "ffn_up.weight", g.n_ff, g.n_embd, flat(g.n_ff, g.n_embd)
+        yield b + "ffn_down.weight", g.n_embd, g.n_ff, flat(g.n_embd, g.n_ff)
+    yield "output_norm.weight", 1, g.n_embd, None
+    yield "output.weight", g.n_vocab, g.n_embd, flat(g.n_vocab, g.n_embd)
+
+
+# ---- file ---------------------------------------------------------------------------------
+
+def _add_metadata(w: GGUFWriter, g: ModelGeometry, preset: str, wtype: str, seed: int) -> None:
+    w.add_name(f"sparq-synthetic-{preset}")
+    w.add_file_type(int(_FILE_TYPES[wtype]))
+    w.add_quantization_version(GGML_QUANT_VERSION)
+    w.add_context_length(g.n_ctx_train)
+    w.add_embedding_length(g.n_embd)
+    w.add_block_count(g.n_layer)
+    w.add_feed_forward_length(g.n_ff)
+    w.add_head_count(g.n_head)
+    w.add_head_count_kv(g.n_head_kv)
+    w.add_layer_norm_rms_eps(float(g.rms_eps))
+    w.add_rope_freq_base(float(g.rope_freq_base))
+    w.add_rope_dimension_count(g.head_dim)
+    w.add_vocab_size(g.n_vocab)
+    w.add_string("sparq.preset", preset)
+    w.add_uint64("sparq.seed", seed)
+    w.add_uint32("sparq.factory_version", FACTORY_VERSION)
+
+
+def _add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
+    vocab = build_vocab(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(vocab.tokens)
+    w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_unk_token_id(UNK_ID)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    # No implicit leading space: detokenize(tokenize(text)) == text with or without BOS.
+    w.add_add_space_prefix(False)
+
+
+def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
+    qtype = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
+             "q8_0": GGMLQuantizationType.Q8_0}[wtype]
+    for name, rows, cols, row_std in specs:
+        if row_std is None:  # norms are always f32 vectors
+            w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
+            continue
+        shape, dtype = _storage(rows, cols, wtype)
+        w.add_tensor_info(name, (rows, cols), np.dtype(np.float32), shape[0] * shape[1] * dtype.itemsize,
+                          raw_dtype=qtype)
+
+
+def _open_temp(path: Path) -> Path:
+    """An empty temporary file next to path, so that os.replace is atomic."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise SparqError(f"path: cannot write in {path.parent}: {e.strerror or e}") from None
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; a model file is not
+    return Path(tmp)
+
+
+def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype: str = "f32",
+                seed: int = 0, progress: bool = False, **overrides) -> Path:
+    """Write a synthetic Llama GGUF to path (atomically) and return the path.
+
+    overrides replace ModelGeometry fields of the preset; `layers` replaces n_layer. The same
+    arguments always give a byte-identical file.
+    """
+    g = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
+    if not _is_int(seed) or not 0 <= seed < 2**63:
+        raise SparqError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise SparqError(f"path: {path} is a directory")
+    specs = list(_tensors(g, seed))
+    tmp = _open_temp(path)
+    try:
+        _write(tmp, g, specs, preset, wtype, seed, progress and path.name)
+        os.replace(tmp, path)
+    except BaseException:  # interrupts too: never leave a half-written file behind
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, seed: int,
+           progress: str | bool) -> None:
+    w = GGUFWriter(tmp, "llama")
+    try:
+        _add_metadata(w, g, preset, wtype, seed)
+        _add_tokenizer(w, g.n_vocab)
+        _add_tensor_infos(w, specs, wtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for name, rows, cols, row_std in _progress(specs, progress):
+            if row_std is None:
+                w.write_tensor_data(np.ones(cols, np.float32))
+            else:
+                w.write_tensor_data(_matrix(_rng(seed, name), row_std, cols, wtype))
+    finally:
+        w.close()
+
+
+def _progress(specs: list, desc: str | bool):
+    """specs, with a tqdm bar over them when desc (the bar's label) is set."""
+    if not desc:
+        return specs
+    from tqdm import tqdm
+
+    return tqdm(specs, desc=desc, unit="tensor")
+
+
+# ---- cache --------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPARQ_CPP_CACHE") or "~/.cache/sparq-cpp"
+    return Path(root).expanduser() / "models"
+
+
+def default_model_path(preset: str = "tiny", wtype: str = "f32", layers: int | None = None) -> Path:
+    """A cached model (seed 0), written on first use. Concurrent callers may both write it; each
+    writes its own temporary file and replaces atomically, and the bytes are identical."""
+    resolve_geometry(preset, layers=layers, wtype=wtype)  # fail before touching the cache
+    key = json.dumps([FACTORY_VERSION, preset, wtype, layers])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    suffix = f"-L{layers}" if layers is not None else ""
+    path = cache_dir() / f"{preset}-{wtype}{suffix}-{digest}.gguf"
+    if not path.exists():
+        write_model(path, preset, layers=layers, wtype=wtype, seed=0)
+    return path

@@ -1,0 +1,206 @@
+"""Whole-model numpy reference of llama.cpp's LLM_ARCH_LLAMA graph, with pluggable attention.
+
+Follows src/models/llama.cpp and the ggml CPU ops step by step: RMSNorm as ggml_rms_norm (squares
+summed in double, scale = 1/sqrtf(mean + eps), y = x*scale*w in f32); RoPE type NORM (adjacent pairs
+(x[2i], x[2i+1]), theta built as ggml does: theta_0 = pos, theta_{i+1} = theta_i * base^(-2/n_rot)
+in f32, optional per-pair rope_freqs divisors and linear freq_scale); kq_scale = 1/sqrtf(D) unless
+the GGUF sets attention.scale; GQA by head // (n_head / n_head_kv); SwiGLU FFN; final norm; LM head.
+One sequence; the KV cache keeps cells in append order with their token positions.
+
+``emulate_ggml=True`` mimics how ggml-cpu rounds a matmul's activations to the weight type's
+``vec_dot_type``: f16 weights see the activation rounded to f16; q8_0 weights see it quantized to
+q8_0 blocks of 32 (d = amax/127 stored as f16, q = round-half-even(x * 127/amax), as the AVX path of
+quantize_row_q8_0 does). With an f16 cache it also rounds q to f16 before attention (ggml converts q
+to the K cache's vec_dot_type in both the flash and the non-flash path). Matmuls run in float64 and
+round to f32 (so results do not depend on the batch size), elementwise ops run in f32 as ggml does,
+attention in float64 (kernels.py).
+
+Measured against llama.cpp (tests/test_logits_match.py, tiny models, f32 cache, 2 threads):
+max |logit diff| / max |logit| is about 1e-6 for f32, f16 and q8_0 weights with flash attention
+off. With flash attention on, llama.cpp casts K and V to f16 and accumulates V in f16, so compare
+against ``cache_type="f16"``; the residual error is then about 1e-4 (bound used in tests: 2e-3).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from sparq_cpp.errors import SparqError
+from sparq_cpp.reference.attention import DenseAttention
+from sparq_cpp.reference.gguf_model import LlamaModel, load_llama
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_rms_norm then ggml_mul: squares in f32 summed in double, scale and multiply in f32."""
+    x = x.astype(F32, copy=False)
+    ssum = (x * x).astype(np.float64).sum(axis=-1, keepdims=True)
+    mean = (ssum / x.shape[-1]).astype(F32)
+    scale = F32(1.0) / np.sqrt(mean + F32(eps))
+    return (x * scale) * w
+
+
+def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None):
+    """cos/sin [n_tokens, n_rot/2] exactly as ggml_rope_cache_init (ext_factor 0, attn_factor 1)."""
+    theta_scale = np.power(F32(freq_base), F32(-2.0) / F32(n_rot), dtype=F32)
+    theta = positions.astype(F32)
+    thetas = np.empty((len(positions), n_rot // 2), dtype=F32)
+    for i in range(n_rot // 2):  # ggml multiplies up in f32 rather than calling powf per pair
+        thetas[:, i] = theta
+        theta = theta * theta_scale
+    if freq_factors is not None:
+        thetas = thetas / freq_factors.astype(F32)[: n_rot // 2]
+    thetas = F32(freq_scale) * thetas
+    # cosf/sinf: correctly rounded from double
+    return np.cos(thetas.astype(np.float64)).astype(F32), np.sin(thetas.astype(np.float64)).astype(F32)
+
+
+def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE type NORM on x [n_tokens, n_heads, D]: rotate (x[2i], x[2i+1]) by theta_i."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    y = np.empty_like(x)
+    y[..., 0::2] = x0 * c - x1 * s
+    y[..., 1::2] = x0 * s + x1 * c
+    return y
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(F32)
+
+
+def quant_dequant_q8_0(x: np.ndarray) -> np.ndarray:
+    """What a q8_0 vec_dot sees of an f32 activation row (x86 quantize_row_q8_0)."""
+    n = x.shape[-1]
+    if n % 32:
+        raise SparqError(f"q8_0 matmul needs a row length divisible by 32, got {n}")
+    xb = x.astype(F32).reshape(*x.shape[:-1], n // 32, 32)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    d = (amax / F32(127.0)).astype(np.float16).astype(F32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, F32(127.0) / amax, F32(0.0)).astype(F32)
+    q = np.rint(xb * idv)  # _mm256_round_ps(_MM_ROUND_NEAREST): half to even
+    return (q * d).reshape(x.shape).astype(F32)
+
+
+def round_activation(x: np.ndarray, wtype) -> np.ndarray:
+    if wtype == QT.F16:
+        return round_f16(x)
+    if wtype == QT.Q8_0:
+        return quant_dequant_q8_0(x)
+    return x
+
+
+class LlamaReference:
+    """A llama.cpp-equivalent forward pass with a KV cache. ``forward`` appends and returns logits."""
+
+    def __init__(self, path_or_model, attention=None, cache_type="f32", emulate_ggml=True):
+        if isinstance(path_or_model, LlamaModel):
+            self.model = path_or_model
+        elif isinstance(path_or_model, (str, os.PathLike)):
+            self.model = load_llama(path_or_model)
+        else:
+            raise SparqError(f"expected a GGUF path or LlamaModel, got {type(path_or_model).__name__}")
+        if cache_type not in ("f32", "f16"):
+            raise SparqError(f"cache_type must be 'f32' or 'f16', got {cache_type!r}")
+        self.hp = self.model.hparams
+        self.attention = attention if attention is not None else DenseAttention()
+        self.cache_type = cache_type
+        self.emulate_ggml = bool(emulate_ggml)
+        self._w64 = {}
+        self.reset()
+
+    def reset(self):
+        """Empty the KV cache."""
+        hp = self.hp
+        self._cap = 0
+        self.n_cells = 0
+        self.kv_pos = np.empty(0, dtype=np.int32)
+        self.k_cache = [np.empty((0, hp.n_head_kv, hp.head_dim), F32) for _ in range(hp.n_layer)]
+        self.v_cache = [np.empty((0, hp.n_head_kv, hp.head_dim), F32) for _ in range(hp.n_layer)]
+
+    @property
+    def n_past(self) -> int:
+        """The position the next token gets by default."""
+        return int(self.kv_pos[: self.n_cells].max()) + 1 if self.n_cells else 0
+
+    def _grow(self, need):
+        if need <= self._cap:
+            return
+        cap = max(need, 2 * self._cap, 64)
+        def grow(a):
+            b = np.zeros((cap,) + a.shape[1:], a.dtype)
+            b[: self.n_cells] = a[: self.n_cells]
+            return b
+        self.kv_pos = grow(self.kv_pos)
+        self.k_cache = [grow(a) for a in self.k_cache]
+        self.v_cache = [grow(a) for a in self.v_cache]
+        self._cap = cap
+
+    def _mm(self, x, w, name):
+        """y = x @ w^T as ggml_mul_mat(w, x) computes it."""
+        if self.emulate_ggml:
+            x = round_activation(x, self.model.wtypes[name])
+        w64 = self._w64.get(name)
+        if w64 is None:  # float64 products round to the same f32 at any batch size
+            w64 = self._w64[name] = w.astype(np.float64).T
+        return (x.astype(np.float64) @ w64).astype(F32)
+
+    def _store(self, a):
+        return round_f16(a) if self.cache_type == "f16" else a
+
+    def forward(self, tokens, positions=None) -> np.ndarray:
+        """Run tokens through the model, appending their K/V; returns float32 logits [n, n_vocab]."""
+        hp, m = self.hp, self.model
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = len(tokens)
+        if n == 0:
+            raise SparqError("forward needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= m.tok_embd.shape[0]:
+            raise SparqError(f"token id out of range 0..{m.tok_embd.shape[0] - 1}")
+        if positions is None:
+            positions = np.arange(self.n_past, self.n_past + n, dtype=np.int32)
+        positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+        if positions.shape != (n,):
+            raise SparqError(f"positions has {positions.shape[0]} entries for {n} tokens")
+
+        c0 = self.n_cells
+        self._grow(c0 + n)
+        self.kv_pos[c0 : c0 + n] = positions
+        n_kv = c0 + n
+        kv_pos = self.kv_pos[:n_kv]
+        mask = kv_pos[None, :] <= positions[:, None]  # llama.cpp masks cells with pos > token pos
+        cos, sin = rope_cos_sin(positions, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, m.rope_freqs)
+        H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
+
+        x = m.tok_embd[tokens].astype(F32)
+        for il, L in enumerate(m.layers):
+            p = f"blk.{il}."
+            cur = rms_norm(x, L.attn_norm, hp.rms_eps)
+            q = self._mm(cur, L.wq, p + "attn_q.weight").reshape(n, H, D)
+            k = self._mm(cur, L.wk, p + "attn_k.weight").reshape(n, Hkv, D)
+            v = self._mm(cur, L.wv, p + "attn_v.weight").reshape(n, Hkv, D)
+            q = rope_norm(q, cos, sin)
+            k = rope_norm(k, cos, sin)
+            self.k_cache[il][c0 : c0 + n] = self._store(k)
+            self.v_cache[il][c0 : c0 + n] = self._store(v)
+            if self.emulate_ggml and self.cache_type == "f16":
+                q = round_f16(q)
+            y = self.attention(q, self.k_cache[il][:n_kv], self.v_cache[il][:n_kv], mask, kv_pos,
+                               hp.kq_scale, il)
+            x = x + self._mm(y.reshape(n, H * D), L.wo, p + "attn_output.weight")
+
+            cur = rms_norm(x, L.ffn_norm, hp.rms_eps)
+            gate = self._mm(cur, L.ffn_gate, p + "ffn_gate.weight")
+            up = self._mm(cur, L.ffn_up, p + "ffn_up.weight")
+            with np.errstate(over="ignore"):  # exp(-gate) = inf gives silu = -0, as in ggml
+                act = (gate / (F32(1.0) + np.exp(-gate))) * up  # silu(gate) * up, in f32
+            x = x + self._mm(act, L.ffn_down, p + "ffn_down.weight")
+
+        self.n_cells = n_kv
+        cur = rms_norm(x, m.output_norm, hp.rms_eps)
+        return self._mm(cur, m.output, "output.weight")

@@ -1,0 +1,130 @@
+"""The pinned, patched, cached build and the developers' patch workflow."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sparq_cpp.errors import SparqError
+from sparq_cpp.pyext import build as pbuild
+from sparq_cpp.pyext import patchtree
+from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, cache_root, fetch_sdist, unpack_sdist, verify_sdist
+
+THROWAWAY_FILE = "README.md"
+
+
+@pytest.fixture
+def patches_copy(tmp_path):
+    dst = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR, dst)
+    return dst
+
+
+def test_pin_names_the_sdist():
+    pin = Pin.load()
+    assert pin.package == "llama-cpp-python" and pin.version == "0.3.36"
+    assert len(pin.sha256) == 64
+
+
+def test_key_changes_with_one_patch_byte(patches_copy):
+    opts = pbuild.BuildOptions()
+    p = patches_copy / "9999-throwaway.patch"
+    p.write_text("From 0 Mon Sep 17 00:00:00 2001\nSubject: x\n\n")
+    with open(patches_copy / "series", "a") as f:
+        f.write(p.name + "\n")
+    k1 = pbuild.build_key(opts, patches_dir=patches_copy)
+    assert k1 == pbuild.build_key(opts, patches_dir=patches_copy)  # stable
+    p.write_bytes(p.read_bytes().replace(b"x", b"y"))
+    assert pbuild.build_key(opts, patches_dir=patches_copy) != k1
+    assert pbuild.build_key(pbuild.BuildOptions(cuda=True, cuda_arch="90"), patches_dir=patches_copy) != \
+        pbuild.build_key(opts, patches_dir=patches_copy)
+
+
+def test_series_lists_missing_patch(patches_copy):
+    (patches_copy / "series").write_text("0001-missing.patch\n")
+    with pytest.raises(SparqError, match="0001-missing.patch"):
+        patchtree.series(patches_copy)
+
+
+def test_corrupted_sdist_is_refused(tmp_path):
+    pin = Pin.load()
+    bad = tmp_path / pin.sdist
+    bad.write_bytes(b"not the sdist")
+    with pytest.raises(SparqError, match="hash mismatch"):
+        verify_sdist(bad, pin)
+    # and through the build command: one line, non-zero exit, no traceback
+    (tmp_path / "cache" / "sdist").mkdir(parents=True)
+    shutil.copy(bad, tmp_path / "cache" / "sdist" / pin.sdist)
+    env = dict(os.environ, SPARQ_CPP_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "sparq_cpp.pyext.build", "--no-install"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert "hash mismatch" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.build
+def test_nothing_changed_means_no_rebuild():
+    """With the inputs unchanged, `build` finds the cached build at once."""
+    t0 = time.time()
+    b = pbuild.build(log=lambda *_: pytest.fail("build() wanted to rebuild with unchanged inputs"))
+    assert time.time() - t0 < 30
+    assert b.wheel.exists()
+    for name in pbuild.TOOLS:
+        assert Path(b.tools[name]).is_file(), name
+    proc = subprocess.run([sys.executable, "-m", "sparq_cpp.pyext.build"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "already installed" in proc.stdout
+
+
+@pytest.mark.build
+def test_tools_run():
+    bench = pbuild.tool_path("llama-bench")
+    proc = subprocess.run([str(bench), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage" in (proc.stdout + proc.stderr).lower()
+
+
+def test_patch_workflow_round_trip(tmp_path, patches_copy):
+    """init -> commit a throwaway change -> export -> a fresh tree and a plain unpack both carry it."""
+    tree = tmp_path / "tree"
+    patchtree.init_tree(tree, patches_copy, log=lambda *_: None)
+    n_before = len(patchtree.series(patches_copy))
+    target = tree / THROWAWAY_FILE
+    target.write_text(target.read_text() + "\nthrowaway line from the sparq-cpp test\n")
+    subprocess.run(["git", *patchtree._GIT_ID, "commit", "-q", "-am", "test: throwaway patch"],
+                   cwd=tree, check=True)
+    exported = patchtree.export_tree(tree, patches_copy, log=lambda *_: None)
+    assert len(exported) == n_before + 1
+    assert exported[-1].name.endswith("test-throwaway-patch.patch")
+    assert patchtree.series(patches_copy) == exported
+    # exporting the same commits again changes nothing, byte for byte
+    before = {p.name: p.read_bytes() for p in exported}
+    patchtree.export_tree(tree, patches_copy, log=lambda *_: None)
+    assert {p.name: p.read_bytes() for p in patchtree.series(patches_copy)} == before
+
+    tree2 = tmp_path / "tree2"
+    patchtree.init_tree(tree2, patches_copy, log=lambda *_: None)
+    assert "throwaway line" in (tree2 / THROWAWAY_FILE).read_text()
+
+    top = unpack_sdist(fetch_sdist(log=lambda *_: None), tmp_path / "plain")
+    patchtree.apply_series(top / "vendor" / "llama.cpp", patchtree.series(patches_copy))
+    assert "throwaway line" in (top / "vendor" / "llama.cpp" / THROWAWAY_FILE).read_text()
+    # applying again fails, naming the patch that does not apply
+    with pytest.raises(SparqError, match="throwaway"):
+        patchtree.apply_series(top / "vendor" / "llama.cpp", exported[-1:])
+
+
+def test_export_refuses_dirty_tree(tmp_path):
+    tree = tmp_path / "t"
+    tree.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
+    (tree / "a").write_text("1")
+    subprocess.run(["git", *patchtree._GIT_ID, "add", "a"], cwd=tree, check=True)
+    subprocess.run(["git", *patchtree._GIT_ID, "commit", "-qm", "u"], cwd=tree, check=True)
+    (tree / "a").write_text("2")
+    with pytest.raises(SparqError, match="uncommitted"):
+        patchtree.export_tree(tree, tmp_path)
