@@ -44,7 +44,8 @@ class BuildOptions:
     def cmake_args(self) -> list[str]:
         args = [
             "-DLLAMA_BUILD_TOOLS=ON", "-DLLAVA_BUILD=OFF",  # mtmd comes with the tools; LLAVA would add it twice
-            "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_TESTS_INSTALL=OFF",  # we pick test-backend-ops from the build
+            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
             "-DLLAMA_BUILD_APP=OFF", f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}",
         ]
         if self.cuda:
@@ -75,7 +76,7 @@ def build_key(opts: BuildOptions, pin: Pin | None = None, patches_dir: Path = PA
     pin = pin or Pin.load(patches_dir / "pin.txt")
     h = hashlib.sha256()
     for part in (f"builder={BUILDER_VERSION}", f"sdist={pin.sdist}:{pin.sha256}",
-                 f"series={series_hash(patches_dir)}", f"options={json.dumps(asdict(opts))}",
+                 f"series={series_hash(patches_dir)}", f"cmake={opts.cmake_args()}", f"targets={opts.targets()}",
                  f"machine={_machine_identity(opts)}", f"python={sys.version_info[:2]}"):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
