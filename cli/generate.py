@@ -71,17 +71,26 @@ class _Utf8Stream:
 @click.option("--top-p", type=float, default=0.95, show_default=True)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
               help="KV cache type.")
-def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type):
+@click.option("--attn", type=click.Choice(["dense", "sparq"]), default=None,
+              help="Attention: dense, or sparq (the default when --r or --k is given).")
+@click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16].")
+@click.option("--k", "k", type=int, default=None, help="SparQ: positions attended per step [128].")
+@click.option("--l", "l", type=int, default=None, help="SparQ: most recent positions always kept [k/4].")
+@click.option("--no-mean-value", is_flag=True,
+              help="SparQ: no mean-value reallocation (the paper's choice for GQA models, e.g. Llama 3, Mistral).")
+def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type,
+            attn, r, k, l, no_mean_value):
     """Generate text, streaming it, then print prompt and decode speed."""
     from sparq_cpp.llm import open_model
 
+    attention = _attention(attn, r, k, l, no_mean_value)
     if n_predict < 1:
         raise SparqError(f"-n must be >= 1, got {n_predict}")
     if temp < 0:
         raise SparqError(f"--temp must be >= 0, got {temp}")
     text = _read_prompt(prompt, prompt_file)
-    llm, summary = open_model(_resolve_model(gguf), n_ctx=ctx_size, n_threads=threads, seed=seed,
-                              cache_type=cache_type)
+    llm, summary = open_model(_resolve_model(gguf), attention=attention, n_ctx=ctx_size,
+                              n_threads=threads, seed=seed, cache_type=cache_type)
     tokens = llm.tokenize(text.encode("utf-8"), add_bos=True)
     if len(tokens) + n_predict > ctx_size:
         raise SparqError(f"the prompt is {len(tokens)} tokens; with -n {n_predict} that needs "
@@ -107,6 +116,29 @@ def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp,
         t_decode += time.perf_counter() - t1
     sys.stdout.write("\n")
     _report(summary, len(tokens), t_prompt, generated, t_decode, llm)
+    _report_reads(llm, summary, len(tokens) + generated)
+
+
+def _attention(attn, r, k, l, no_mean_value):
+    from sparq_cpp.attention import Dense, SparQ
+
+    sparq_flags = any(x is not None for x in (r, k, l)) or no_mean_value
+    if attn == "dense" and sparq_flags:
+        raise SparqError("--r/--k/--l/--no-mean-value are SparQ settings; drop them or use --attn sparq")
+    if attn == "sparq" or (attn is None and sparq_flags):
+        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value)
+    return Dense()
+
+
+def _report_reads(llm, summary, n_kv):
+    """Attention data the last step read, against dense, from SPEC.md's transfer formulas."""
+    from sparq_cpp.attention import Dense
+
+    heads = summary.n_layer * summary.n_head_kv
+    dense = Dense().reads(n_kv, summary.head_dim, llm.cache_type) * heads
+    used = llm.attention.reads(n_kv, summary.head_dim, llm.cache_type) * heads
+    click.echo(f"attn    {llm.attention.name}: the last step read {used / 1e6:.2f} MB of KV cache, dense reads "
+               f"{dense / 1e6:.2f} MB at n_kv={n_kv} ({used / dense:.3f} of dense)", err=True)
 
 
 def _greedy(llm):

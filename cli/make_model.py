@@ -7,11 +7,9 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES, resolve_geometry, write_mode
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError
+    if n < 1024**3:
+        return f"{n / 1024**2:.1f} MiB"
+    return f"{n / 1024**3:.2f} GiB"
 
 
 @click.command("make-model")

@@ -9,6 +9,8 @@ rebuild. `python -m sparq_cpp.pyext.build [--cuda --cuda-arch 90]`.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -139,9 +141,25 @@ def build(opts: BuildOptions = BuildOptions(), log=print) -> Build:
     patches = series()
     key = build_key(opts, pin)
     root = cache_root() / "build" / key
-    done = Build.load(root)
-    if done is not None and done.wheel.exists():
-        return done
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root.parent / f"{key}.lock"):  # a second process waits for this build, not redoes it
+        done = Build.load(root)
+        if done is not None and done.wheel.exists():
+            return done
+        return _build_now(opts, pin, patches, key, root, log)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_now(opts: BuildOptions, pin: Pin, patches: list[Path], key: str, root: Path, log) -> Build:
     if root.exists():
         shutil.rmtree(root)  # an interrupted build: start clean
     root.mkdir(parents=True)

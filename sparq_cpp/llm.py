@@ -1,9 +1,14 @@
-"""Open a GGUF model in the patched llama.cpp, with the checks that turn bad input into clear errors."""
+"""Open a GGUF model in the patched llama.cpp, with the checks that turn bad input into clear errors.
+
+`sparq_cpp.Llama(path, attention=SparQ(r=16, k=128))` is llama-cpp-python's Llama with the sparse
+attention of the patch series switched on; `open_model` is the checked way the CLI opens one.
+"""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from sparq_cpp.attention import Dense, SparQ
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf
 
@@ -22,26 +27,92 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def open_model(path, *, n_ctx: int = 4096, n_threads: int | None = None, seed: int = 0,
-               flash_attn: bool = True, cache_type: str = "f16", n_batch: int = 512,
-               logits_all: bool = False) -> tuple["object", GGUFSummary]:
-    """A llama_cpp.Llama for `path` after checking the file; returns (llm, summary)."""
-    summary = check_gguf(path)
+def _c_params(attention):
+    from sparq_cpp.pyext import sparse_api
+
+    p = sparse_api.default_params()
+    if isinstance(attention, SparQ):
+        p.mode = sparse_api.LLAMA_SPARSE_ATTN_SPARQ
+        p.r, p.k, p.l = attention.r, attention.k, attention.local
+        p.mean_value, p.min_n_kv, p.sparse_prompt = attention.mean_value, attention.min_n_kv, attention.sparse_prompt
+    else:
+        p.mode = sparse_api.LLAMA_SPARSE_ATTN_DENSE
+    return p
+
+
+def _llama_class():
+    llama_cpp = import_llama_cpp()
+
+    class Llama(llama_cpp.Llama):
+        """llama_cpp.Llama with an `attention` setting (Dense() or SparQ(...)).
+
+        The cache layout SparQ needs (a transposed copy of K) is decided when the context is
+        created, so pass the attention here; `set_attention` then changes r, k, l or switches
+        between SparQ and dense without recreating the context.
+        """
+
+        def __init__(self, model_path, attention=None, *, cache_type: str = "f16", **kwargs):
+            from sparq_cpp.pyext import sparse_api
+
+            attention = attention or Dense()
+            summary = check_gguf(model_path)
+            attention.check(summary.head_dim)
+            if cache_type not in CACHE_TYPES:
+                raise SparqError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+            kwargs.setdefault("verbose", False)
+            kwargs.update(type_k=CACHE_TYPES[cache_type], type_v=CACHE_TYPES[cache_type])
+            sparse = not isinstance(attention, Dense)
+            if sparse:
+                if kwargs.get("flash_attn") is False:
+                    raise SparqError(f"{attention.name} needs flash attention (V stored row-major); "
+                                     "do not pass flash_attn=False")
+                kwargs["flash_attn"] = True
+                sparse_api.set_next_context(_c_params(attention))
+            try:
+                super().__init__(model_path=str(model_path), **kwargs)
+            except (ValueError, RuntimeError) as e:
+                raise SparqError(f"llama.cpp could not load {model_path} with {attention.name} attention: {e}") from None
+            finally:
+                if sparse:
+                    sparse_api.set_next_context(None)
+            self.summary: GGUFSummary = summary
+            self.cache_type = cache_type
+            self.attention = attention
+
+        def close(self) -> None:
+            if hasattr(self, "_stack"):  # a constructor that raised leaves nothing to close
+                super().close()
+
+        def set_attention(self, attention) -> None:
+            from sparq_cpp.pyext import sparse_api
+
+            attention.check(self.summary.head_dim)
+            sparse_api.set_params(self._ctx.ctx, _c_params(attention))
+            self.attention = attention
+
+    return Llama
+
+
+_LLAMA = None
+
+
+def Llama(*args, **kwargs):  # noqa: N802 (a class, built on first use so importing needs no llama_cpp)
+    global _LLAMA
+    if _LLAMA is None:
+        _LLAMA = _llama_class()
+    return _LLAMA(*args, **kwargs)
+
+
+def open_model(path, *, attention=None, n_ctx: int = 4096, n_threads: int | None = None, seed: int = 0,
+               cache_type: str = "f16", n_batch: int = 512, logits_all: bool = False,
+               flash_attn: bool = True):
+    """A checked Llama for `path`: (llm, summary)."""
     if n_ctx < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {n_ctx}")
-    if cache_type not in CACHE_TYPES:
-        raise SparqError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
     n_threads = n_threads or default_threads()
     if n_threads < 1:
         raise SparqError(f"--threads must be >= 1, got {n_threads}")
-    llama_cpp = import_llama_cpp()
-    try:
-        llm = llama_cpp.Llama(
-            model_path=str(Path(path)), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
-            n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads,
-            seed=seed, flash_attn=flash_attn, type_k=CACHE_TYPES[cache_type],
-            type_v=CACHE_TYPES[cache_type], logits_all=logits_all, verbose=False,
-        )
-    except (ValueError, RuntimeError) as e:
-        raise SparqError(f"llama.cpp could not load {path}: {e}") from None
-    return llm, summary
+    llm = Llama(path, attention, cache_type=cache_type, n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
+                n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads,
+                seed=seed, flash_attn=flash_attn, logits_all=logits_all)
+    return llm, llm.summary

@@ -27,7 +27,7 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
 
 # Bump whenever the bytes written for the same arguments change (it keys the model cache).
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 
 WTYPES = ("f32", "f16", "q8_0")
 QK8_0 = 32  # q8_0 block: one f16 scale and 32 int8 codes

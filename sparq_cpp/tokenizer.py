@@ -75,13 +75,12 @@ def _prefix_closed(pieces: list[str]) -> list[str]:
 
 
 def _word_pieces() -> list[str]:
-    """Multi-character pieces, shortest first so that truncating keeps the set prefix-closed."""
-    words = _WORDS.split()
-    pieces = [SPACE + w for w in words]
-    pieces += [SPACE + w.capitalize() for w in words]
-    pieces += words + _SUBWORDS.split()
-    closed = _prefix_closed(pieces)
-    return sorted(closed, key=len)  # stable: equally long pieces stay in commonness order
+    """Multi-character pieces, most common first; each comes after its prefixes, so any leading
+    part of the list is prefix-closed and a small vocabulary holds the commonest words whole."""
+    pieces = _SUBWORDS.split()
+    for w in _WORDS.split():
+        pieces += [SPACE + w, SPACE + w.capitalize(), w]
+    return _prefix_closed(pieces)
 
 
 def _base_pieces() -> list[str]:

@@ -71,6 +71,10 @@ def test_corrupted_sdist_is_refused(tmp_path):
 @pytest.mark.build
 def test_nothing_changed_means_no_rebuild():
     """With the inputs unchanged, `build` finds the cached build at once."""
+    key = pbuild.build_key(pbuild.BuildOptions())
+    installed = pbuild.installed_build()
+    if installed is None or installed["key"] != key:
+        pytest.fail("the build for this checkout is not installed; run `make setup` first")
     t0 = time.time()
     b = pbuild.build(log=lambda *_: pytest.fail("build() wanted to rebuild with unchanged inputs"))
     assert time.time() - t0 < 30

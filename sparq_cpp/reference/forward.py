@@ -23,8 +23,10 @@ against ``cache_type="f16"``; the residual error is then about 1e-4 (bound used 
 
 from __future__ import annotations
 
+import math
 import os
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -44,19 +46,29 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * scale) * w
 
 
+@numba.njit(cache=True)
+def _rope_table(positions, n_rot, freq_base, freq_scale, freq_factors):
+    # float32 throughout: Numba's float32 math.pow/cos/sin call libm's powf/cosf/sinf, which ggml
+    # uses too (numpy's own float32 pow/cos differ by an ulp, and theta = pos * ... reaches 1e3 rad).
+    theta_scale = math.pow(np.float32(freq_base), np.float32(-2.0) / np.float32(n_rot))
+    cos = np.empty((positions.shape[0], n_rot // 2), np.float32)
+    sin = np.empty((positions.shape[0], n_rot // 2), np.float32)
+    for t in range(positions.shape[0]):
+        theta = np.float32(positions[t])
+        for i in range(n_rot // 2):
+            th = np.float32(freq_scale) * (theta / freq_factors[i])
+            cos[t, i] = math.cos(th)
+            sin[t, i] = math.sin(th)
+            theta = np.float32(theta * theta_scale)
+    return cos, sin
+
+
 def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None):
-    """cos/sin [n_tokens, n_rot/2] exactly as ggml_rope_cache_init (ext_factor 0, attn_factor 1)."""
-    theta_scale = np.power(F32(freq_base), F32(-2.0) / F32(n_rot), dtype=F32)
-    theta = positions.astype(F32)
-    thetas = np.empty((len(positions), n_rot // 2), dtype=F32)
-    for i in range(n_rot // 2):  # ggml multiplies up in f32 rather than calling powf per pair
-        thetas[:, i] = theta
-        theta = theta * theta_scale
-    if freq_factors is not None:
-        thetas = thetas / freq_factors.astype(F32)[: n_rot // 2]
-    thetas = F32(freq_scale) * thetas
-    # cosf/sinf: correctly rounded from double
-    return np.cos(thetas.astype(np.float64)).astype(F32), np.sin(thetas.astype(np.float64)).astype(F32)
+    """cos/sin [n_tokens, n_rot/2] exactly as ggml_rope_cache_init (ext_factor 0, attn_factor 1):
+    theta_0 = pos, theta_{i+1} = theta_i * powf(base, -2/n_rot) in f32, divided by freq_factors[i]."""
+    ff = np.ones(n_rot // 2, np.float32) if freq_factors is None else np.asarray(freq_factors, np.float32)
+    return _rope_table(np.asarray(positions, np.int32), int(n_rot), np.float32(freq_base),
+                       np.float32(freq_scale), ff)
 
 
 def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -148,13 +160,24 @@ class LlamaReference:
         w64 = self._w64.get(name)
         if w64 is None:  # float64 products round to the same f32 at any batch size
             w64 = self._w64[name] = w.astype(np.float64).T
-        return (x.astype(np.float64) @ w64).astype(F32)
+        x64 = x.astype(np.float64)
+        if x.shape[0] <= 16:  # decode: einsum's own loop; OpenBLAS threads thrash on a busy machine
+            return np.einsum("ij,jk->ik", x64, w64).astype(F32)
+        return (x64 @ w64).astype(F32)
 
     def _store(self, a):
         return round_f16(a) if self.cache_type == "f16" else a
 
-    def forward(self, tokens, positions=None) -> np.ndarray:
-        """Run tokens through the model, appending their K/V; returns float32 logits [n, n_vocab]."""
+    def forward(self, tokens, positions=None, trace=None) -> np.ndarray:
+        """Run tokens through the model, appending their K/V; returns float32 logits [n, n_vocab].
+
+        ``trace``, a dict, receives the intermediates under llama.cpp's graph names ("attn_norm-0",
+        "Qcur-0" (after RoPE), "kqv_out-0", "ffn_out-0" (before the residual), "l_out-0",
+        "result_norm", ...) as float32 arrays with one row per token."""
+        def cb(name, a, il=None):
+            if trace is not None:
+                trace[name if il is None else f"{name}-{il}"] = a.reshape(n, -1).copy()
+
         hp, m = self.hp, self.model
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = len(tokens)
@@ -181,26 +204,38 @@ class LlamaReference:
         for il, L in enumerate(m.layers):
             p = f"blk.{il}."
             cur = rms_norm(x, L.attn_norm, hp.rms_eps)
+            cb("attn_norm", cur, il)
             q = self._mm(cur, L.wq, p + "attn_q.weight").reshape(n, H, D)
             k = self._mm(cur, L.wk, p + "attn_k.weight").reshape(n, Hkv, D)
             v = self._mm(cur, L.wv, p + "attn_v.weight").reshape(n, Hkv, D)
             q = rope_norm(q, cos, sin)
             k = rope_norm(k, cos, sin)
+            cb("Qcur", q, il), cb("Kcur", k, il), cb("Vcur", v, il)
             self.k_cache[il][c0 : c0 + n] = self._store(k)
             self.v_cache[il][c0 : c0 + n] = self._store(v)
-            if self.emulate_ggml and self.cache_type == "f16":
-                q = round_f16(q)
             y = self.attention(q, self.k_cache[il][:n_kv], self.v_cache[il][:n_kv], mask, kv_pos,
                                hp.kq_scale, il)
-            x = x + self._mm(y.reshape(n, H * D), L.wo, p + "attn_output.weight")
+            cb("kqv_out", y, il)
+            attn_out = self._mm(y.reshape(n, H * D), L.wo, p + "attn_output.weight")
+            cb("attn_out", attn_out, il)
+            x = x + attn_out
+            cb("ffn_inp", x, il)
 
             cur = rms_norm(x, L.ffn_norm, hp.rms_eps)
+            cb("ffn_norm", cur, il)
             gate = self._mm(cur, L.ffn_gate, p + "ffn_gate.weight")
             up = self._mm(cur, L.ffn_up, p + "ffn_up.weight")
             with np.errstate(over="ignore"):  # exp(-gate) = inf gives silu = -0, as in ggml
                 act = (gate / (F32(1.0) + np.exp(-gate))) * up  # silu(gate) * up, in f32
-            x = x + self._mm(act, L.ffn_down, p + "ffn_down.weight")
+            cb("ffn_gate", gate, il), cb("ffn_up", up, il), cb("ffn_swiglu", act, il)
+            ffn_out = self._mm(act, L.ffn_down, p + "ffn_down.weight")
+            cb("ffn_out", ffn_out, il)
+            x = x + ffn_out
+            cb("l_out", x, il)
 
         self.n_cells = n_kv
         cur = rms_norm(x, m.output_norm, hp.rms_eps)
-        return self._mm(cur, m.output, "output.weight")
+        cb("result_norm", cur)
+        logits = self._mm(cur, m.output, "output.weight")
+        cb("result_output", logits)
+        return logits

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from sparq_cpp.errors import SparqError
@@ -72,11 +72,7 @@ class LlamaModel:
 
 def _field_value(reader: GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    if f.types and f.types[0] == GGUFValueType.ARRAY:
-        return f.contents()
-    return f.contents()
+    return default if f is None else f.contents()
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFReader:

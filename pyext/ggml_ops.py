@@ -1,0 +1,405 @@
+"""Minimal ctypes binding to ggml: build a graph of a few ops on the CPU and run it.
+
+Enough for testing and timing single ops (ggml_sparq_attn, ggml_flash_attn_ext) against numpy data,
+without llama.cpp: tensors are metadata in a ``no_alloc`` ggml context whose ``data`` points into
+numpy arrays (kept alive by the ``Graph``), so views with arbitrary strides (a transposed K copy
+inside a wider buffer, a permuted cache view) are plain ``ggml_view_4d`` calls.
+
+Libraries: ``$SPARQ_CPP_LIB_DIR`` if set, else the ``lib/`` folder of the installed ``llama_cpp``
+package. ``ggml_sparq_attn`` is resolved lazily, so this module loads against a stock build and
+raises ``SparqError`` only when the op is used (``has_sparq_attn()`` tells beforehand).
+
+Shapes follow the reference (sparq_cpp.reference.attention): q [n_q, n_head, D], k/v
+[n_kv, n_head_kv, D], mask bool [n_q, n_kv], kv_pos int32 [n_kv]; results [n_q, n_head, D].
+numpy shape = ggml ``ne`` reversed.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+
+from sparq_cpp.errors import SparqError
+
+# enum ggml_type (ggml.h)
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+GGML_TYPE_Q8_0 = 8
+GGML_TYPE_I32 = 26
+TYPES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16, "q8_0": GGML_TYPE_Q8_0, "i32": GGML_TYPE_I32}
+QK8_0 = 32
+Q8_0_BLOCK_BYTES = 34
+
+GGML_MAX_DIMS = 4
+GGML_MAX_SRC = 10
+GGML_MAX_OP_PARAMS = 64
+GGML_MAX_NAME = 64
+GGML_MAX_N_THREADS = 512
+GGML_DEFAULT_GRAPH_SIZE = 2048
+
+
+class ggml_init_params(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class ggml_tensor(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+class ggml_cplan(ctypes.Structure):
+    _fields_ = [
+        ("work_size", ctypes.c_size_t),
+        ("work_data", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int),
+        ("threadpool", ctypes.c_void_p),
+        ("abort_callback", ctypes.c_void_p),
+        ("abort_callback_data", ctypes.c_void_p),
+        ("use_ref", ctypes.c_bool),
+    ]
+
+
+class ggml_threadpool_params(ctypes.Structure):
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS),
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+T_P = ctypes.POINTER(ggml_tensor)
+VP = ctypes.c_void_p
+
+
+def lib_dir() -> Path:
+    """Where libggml*.so are: $SPARQ_CPP_LIB_DIR, else the installed llama_cpp package's lib/."""
+    env = os.environ.get("SPARQ_CPP_LIB_DIR")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.origin:
+        raise SparqError("no ggml libraries: set SPARQ_CPP_LIB_DIR or install the patched llama_cpp package")
+    return Path(spec.origin).parent / "lib"
+
+
+class _Lib:
+    def __init__(self, directory: Path):
+        self.dir = directory
+        mode = getattr(os, "RTLD_GLOBAL", 0)
+        try:
+            self.base = ctypes.CDLL(str(directory / "libggml-base.so"), mode=mode)
+            self.cpu = ctypes.CDLL(str(directory / "libggml-cpu.so"), mode=mode)
+        except OSError as e:
+            raise SparqError(f"cannot load ggml from {directory}: {e}") from e
+        b, c = self.base, self.cpu
+
+        def fn(lib, name, res, *args):
+            f = getattr(lib, name)
+            f.restype, f.argtypes = res, list(args)
+            return f
+
+        self.ggml_init = fn(b, "ggml_init", VP, ggml_init_params)
+        self.ggml_free = fn(b, "ggml_free", None, VP)
+        self.ggml_tensor_overhead = fn(b, "ggml_tensor_overhead", ctypes.c_size_t)
+        self.ggml_graph_overhead_custom = fn(b, "ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool)
+        self.ggml_new_tensor = fn(b, "ggml_new_tensor", T_P, VP, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64))
+        self.ggml_view_4d = fn(b, "ggml_view_4d", T_P, VP, T_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+        self.ggml_nbytes = fn(b, "ggml_nbytes", ctypes.c_size_t, T_P)
+        self.ggml_row_size = fn(b, "ggml_row_size", ctypes.c_size_t, ctypes.c_int, ctypes.c_int64)
+        self.ggml_flash_attn_ext = fn(b, "ggml_flash_attn_ext", T_P, VP, T_P, T_P, T_P, T_P,
+                                      ctypes.c_float, ctypes.c_float, ctypes.c_float)
+        self.ggml_new_graph_custom = fn(b, "ggml_new_graph_custom", VP, VP, ctypes.c_size_t, ctypes.c_bool)
+        self.ggml_build_forward_expand = fn(b, "ggml_build_forward_expand", None, VP, T_P)
+        self.ggml_threadpool_params_init = fn(b, "ggml_threadpool_params_init", None,
+                                              ctypes.POINTER(ggml_threadpool_params), ctypes.c_int)
+        self.ggml_cpu_init = fn(c, "ggml_cpu_init", None)
+        self.ggml_graph_plan = fn(c, "ggml_graph_plan", ggml_cplan, VP, ctypes.c_int, VP)
+        self.ggml_graph_compute = fn(c, "ggml_graph_compute", ctypes.c_int, VP, ctypes.POINTER(ggml_cplan))
+        self.ggml_threadpool_new = fn(c, "ggml_threadpool_new", VP, ctypes.POINTER(ggml_threadpool_params))
+        self.ggml_threadpool_free = fn(c, "ggml_threadpool_free", None, VP)
+        self.ggml_cpu_init()
+        self._sparq = None
+
+    @property
+    def has_sparq_attn(self) -> bool:
+        return hasattr(self.base, "ggml_sparq_attn")
+
+    @property
+    def ggml_sparq_attn(self):
+        if self._sparq is None:
+            if not self.has_sparq_attn:
+                raise SparqError(f"ggml_sparq_attn is missing from {self.dir / 'libggml-base.so'}: "
+                                 "this is a stock ggml build, build the patched one")
+            f = self.base.ggml_sparq_attn
+            f.restype = T_P
+            f.argtypes = [VP, T_P, T_P, T_P, T_P, T_P, T_P, T_P, ctypes.c_float,
+                          ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool]
+            self._sparq = f
+        return self._sparq
+
+
+_LIBS: dict[Path, _Lib] = {}
+
+
+def lib(directory: Path | None = None) -> _Lib:
+    d = Path(directory) if directory is not None else lib_dir()
+    if d not in _LIBS:
+        _LIBS[d] = _Lib(d)
+    return _LIBS[d]
+
+
+def has_sparq_attn(directory: Path | None = None) -> bool:
+    try:
+        return lib(directory).has_sparq_attn
+    except SparqError:
+        return False
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Q8_0 bytes of x (last dim a multiple of 32) as uint8 [..., n/32*34], via gguf.quants."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    return quantize(np.ascontiguousarray(x, dtype=np.float32), GGMLQuantizationType.Q8_0)
+
+
+def dequantize_q8_0(b: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return dequantize(b, GGMLQuantizationType.Q8_0).astype(np.float32)
+
+
+def encode(x: np.ndarray, type_name: str) -> np.ndarray:
+    """numpy data laid out as ggml stores type_name (rows along the last axis)."""
+    if type_name == "f32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if type_name == "f16":
+        return np.ascontiguousarray(x, dtype=np.float16)
+    if type_name == "i32":
+        return np.ascontiguousarray(x, dtype=np.int32)
+    if type_name == "q8_0":
+        return quantize_q8_0(x)
+    raise SparqError(f"unsupported tensor type {type_name!r}")
+
+
+def decode(x: np.ndarray, type_name: str) -> np.ndarray:
+    """The float32 values that ggml sees in encode(x, type_name)'s bytes."""
+    if type_name == "q8_0":
+        return dequantize_q8_0(x)
+    return np.asarray(x).astype(np.float32)
+
+
+class Graph:
+    """One ggml context (tensor metadata only) plus the numpy buffers the tensors point into."""
+
+    def __init__(self, n_tensors: int = 256, directory: Path | None = None):
+        self.lib = lib(directory)
+        L = self.lib
+        size = n_tensors * L.ggml_tensor_overhead() + L.ggml_graph_overhead_custom(GGML_DEFAULT_GRAPH_SIZE, False) + 4096
+        self.ctx = L.ggml_init(ggml_init_params(size, None, True))
+        if not self.ctx:
+            raise SparqError("ggml_init failed")
+        self._keep: list[np.ndarray] = []
+        self._outputs: list[tuple[object, np.ndarray]] = []
+        self._work = None
+        self._threadpool = None
+        self._gf = None
+
+    def close(self):
+        if self._threadpool:
+            self.lib.ggml_threadpool_free(self._threadpool)
+            self._threadpool = None
+        if self.ctx:
+            self.lib.ggml_free(self.ctx)
+            self.ctx = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # tensors
+
+    def tensor(self, data: np.ndarray, type_name: str, ne: tuple[int, ...] | None = None):
+        """A tensor over ``data`` (already encoded for type_name). ne defaults to data.shape reversed
+        (for q8_0 the last axis is bytes: ne0 = bytes/34*32)."""
+        data = np.ascontiguousarray(data)
+        if ne is None:
+            shape = list(data.shape[::-1])
+            if type_name == "q8_0":
+                shape[0] = shape[0] // Q8_0_BLOCK_BYTES * QK8_0
+            ne = tuple(shape)
+        ne4 = (ctypes.c_int64 * 4)(*(list(ne) + [1] * (4 - len(ne))))
+        t = self.lib.ggml_new_tensor(self.ctx, TYPES[type_name], len(ne), ne4)
+        if self.lib.ggml_nbytes(t) != data.nbytes:
+            raise SparqError(f"tensor ne={ne} {type_name} needs {self.lib.ggml_nbytes(t)} bytes, data has {data.nbytes}")
+        t.contents.data = data.ctypes.data
+        self._keep.append(data)
+        return t
+
+    def view(self, t, ne: tuple[int, int, int, int], nb: tuple[int, int, int], offset: int = 0):
+        """ggml_view_4d: ne0..ne3, byte strides nb1..nb3, byte offset."""
+        return self.lib.ggml_view_4d(self.ctx, t, *ne, *nb, offset)
+
+    def output(self, t, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Give the (f32) op result t a numpy buffer; returns it (filled by compute())."""
+        ne = list(t.contents.ne)
+        out = np.full(ne[::-1] if shape is None else shape, np.nan, dtype=np.float32)
+        if out.nbytes != self.lib.ggml_nbytes(t):
+            raise SparqError("output buffer size mismatch")
+        t.contents.data = out.ctypes.data
+        self._keep.append(out)
+        self._outputs.append((t, out))
+        return out
+
+    # ops
+
+    def sparq_attn(self, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value):
+        return self.lib.ggml_sparq_attn(self.ctx, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value)
+
+    def flash_attn_ext(self, q, k, v, mask, scale, max_bias=0.0, logit_softcap=0.0):
+        return self.lib.ggml_flash_attn_ext(self.ctx, q, k, v, mask, scale, max_bias, logit_softcap)
+
+    # compute
+
+    def build(self, n_threads: int = 2):
+        """Build the graph of every output() and plan it; the work buffer is kept for repeats."""
+        L = self.lib
+        self._gf = L.ggml_new_graph_custom(self.ctx, GGML_DEFAULT_GRAPH_SIZE, False)
+        for t, _ in self._outputs:
+            L.ggml_build_forward_expand(self._gf, t)
+        if self._threadpool:
+            L.ggml_threadpool_free(self._threadpool)
+        tpp = ggml_threadpool_params()
+        L.ggml_threadpool_params_init(ctypes.byref(tpp), n_threads)
+        self._threadpool = L.ggml_threadpool_new(ctypes.byref(tpp))
+        self._plan = L.ggml_graph_plan(self._gf, n_threads, self._threadpool)
+        self._work = np.empty(max(self._plan.work_size, 1), dtype=np.uint8)
+        self._plan.work_data = self._work.ctypes.data
+        self._n_threads = n_threads
+
+    @property
+    def work_size(self) -> int:
+        return int(self._plan.work_size)
+
+    def compute(self, n_threads: int = 2):
+        if self._gf is None or self._n_threads != n_threads:
+            self.build(n_threads)
+        st = self.lib.ggml_graph_compute(self._gf, ctypes.byref(self._plan))
+        if st != 0:
+            raise SparqError(f"ggml_graph_compute failed with status {st}")
+        return [out for _, out in self._outputs]
+
+
+# High-level helpers in the reference's layout
+
+
+class KVCache:
+    """K, V (row-major, like llama.cpp's cache with flash attention) and the transposed K copy,
+    as ggml views into numpy buffers. k, v: float32 [n_kv, n_head_kv, D] (values before encoding).
+
+    kt_pad extra cells make the transposed buffer [n_head_kv*D, n_kv + kt_pad] so kt is a strided
+    view (as it is in a cache of kv_size > n_kv cells); the padding is filled with NaN."""
+
+    def __init__(self, g: Graph, k: np.ndarray, v: np.ndarray, kv_type: str = "f16", kt_type: str | None = None,
+                 kt_pad: int = 0, need_kt: bool = True):
+        n_kv, n_head_kv, D = k.shape
+        self.n_kv, self.n_head_kv, self.D = n_kv, n_head_kv, D
+        kt_type = kt_type or ("f32" if kv_type == "f32" else "f16")
+        self.kv_type, self.kt_type = kv_type, kt_type
+
+        kb = encode(k.reshape(n_kv, n_head_kv * D), kv_type)
+        vb = encode(v.reshape(n_kv, n_head_kv * D), kv_type)
+        # what the kernels read back, for the reference
+        self.k_values = decode(kb, kv_type).reshape(n_kv, n_head_kv, D)
+        self.v_values = decode(vb, kv_type).reshape(n_kv, n_head_kv, D)
+
+        row = kb.shape[1] * kb.itemsize  # bytes per cell (all heads)
+        head = row // n_head_kv
+        kbuf = g.tensor(kb, kv_type)
+        vbuf = g.tensor(vb, kv_type)
+        self.k = g.view(kbuf, (D, n_kv, n_head_kv, 1), (row, head, row * n_kv))
+        self.v = g.view(vbuf, (D, n_kv, n_head_kv, 1), (row, head, row * n_kv))
+
+        self.kt = None
+        if need_kt:
+            kv_size = n_kv + kt_pad
+            ktb = np.full((n_head_kv * D, kv_size), np.nan, dtype=np.float32)
+            ktb[:, :n_kv] = self.k_values.reshape(n_kv, n_head_kv * D).T
+            ktb = encode(ktb, kt_type)
+            ts = ktb.itemsize
+            ktbuf = g.tensor(ktb, kt_type)
+            self.kt = g.view(ktbuf, (n_kv, D, n_head_kv, 1), (kv_size * ts, D * kv_size * ts, D * kv_size * ts * n_head_kv))
+
+
+def mask_tensor(g: Graph, mask: np.ndarray):
+    """bool [n_q, n_kv] (True = visible) -> f16 [n_kv, n_q] with 0 / -INF."""
+    m = np.where(mask, np.float16(0), np.float16(-np.inf)).astype(np.float16)
+    return g.tensor(m, "f16")
+
+
+def q_tensor(g: Graph, q: np.ndarray):
+    """q [n_q, n_head, D] -> ggml [D, n_q, n_head, 1] (a permuted view, as llama.cpp passes it)."""
+    n_q, n_head, D = q.shape
+    qb = g.tensor(np.ascontiguousarray(q, dtype=np.float32), "f32")  # ne [D, n_head, n_q]
+    return g.view(qb, (D, n_q, n_head, 1), (n_head * D * 4, D * 4, n_head * D * n_q * 4))
+
+
+def sparq_attn(q, k, v, mask, kv_pos, kq_scale, r, top_k, n_local, mean_value=True, *, kv_type="f16",
+               kt_type=None, vmean=None, kt_pad=0, n_threads=2, directory=None, return_values=False):
+    """Run ggml_sparq_attn once. Returns y [n_q, n_head, D] (and with return_values, the decoded
+    k, v values the op saw). vmean: optional float32 [n_q, n_head_kv, D]."""
+    with Graph(directory=directory) as g:
+        cache = KVCache(g, k, v, kv_type, kt_type, kt_pad)
+        qt = q_tensor(g, q)
+        mt = mask_tensor(g, mask)
+        pt = g.tensor(np.ascontiguousarray(kv_pos, dtype=np.int32), "i32")
+        vt = None
+        if vmean is not None:
+            vt = g.tensor(np.ascontiguousarray(vmean, dtype=np.float32), "f32")  # ne [D, n_head_kv, n_q]
+        out = g.sparq_attn(qt, cache.k, cache.kt, cache.v, mt, pt, vt, kq_scale, r, top_k, n_local, mean_value)
+        y = g.output(out, q.shape)  # ne [D, n_head, n_q] -> numpy [n_q, n_head, D]
+        g.compute(n_threads)
+        y = y.copy()
+        if return_values:
+            return y, cache.k_values, cache.v_values
+        return y
+
+
+def flash_attn_ext(q, k, v, mask, kv_pos, kq_scale, *, kv_type="f16", n_threads=2, directory=None):
+    """Dense ggml_flash_attn_ext on the same layout (kv_pos unused). Returns y [n_q, n_head, D]."""
+    with Graph(directory=directory) as g:
+        cache = KVCache(g, k, v, kv_type, need_kt=False)
+        qt = q_tensor(g, q)
+        mt = mask_tensor(g, mask)
+        out = g.flash_attn_ext(qt, cache.k, cache.v, mt, kq_scale)
+        y = g.output(out, q.shape)
+        g.compute(n_threads)
+        return y.copy()

@@ -1,0 +1,88 @@
+"""ctypes bindings for the sparse-attention C API that the patch series adds to libllama.
+
+Kept apart from llama_cpp's own bindings, which resolve every symbol at import: a stock build
+still imports llama_cpp, and only these functions report that the patches are missing.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+from sparq_cpp.errors import SparqError
+
+LLAMA_SPARSE_ATTN_DENSE = 0
+LLAMA_SPARSE_ATTN_SPARQ = 1
+LLAMA_SPARSE_ATTN_LOKI = 2
+MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "loki": LLAMA_SPARSE_ATTN_LOKI}
+
+
+class llama_sparse_attn_params(ctypes.Structure):
+    _fields_ = [
+        ("mode", ctypes.c_int),
+        ("r", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("l", ctypes.c_int32),
+        ("mean_value", ctypes.c_bool),
+        ("min_n_kv", ctypes.c_int32),
+        ("sparse_prompt", ctypes.c_bool),
+    ]
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+@lru_cache(maxsize=None)
+def _lib():
+    from llama_cpp import llama_cpp as raw
+
+    lib = raw._lib
+    try:
+        lib.llama_sparse_attn_default_params.restype = llama_sparse_attn_params
+        lib.llama_sparse_attn_default_params.argtypes = []
+        lib.llama_set_sparse_attn.restype = ctypes.c_int32
+        lib.llama_set_sparse_attn.argtypes = [ctypes.c_void_p, llama_sparse_attn_params]
+        lib.llama_get_sparse_attn.restype = ctypes.c_int32
+        lib.llama_get_sparse_attn.argtypes = [ctypes.c_void_p, ctypes.POINTER(llama_sparse_attn_params)]
+        lib.llama_sparse_attn_strerror.restype = ctypes.c_char_p
+        lib.llama_sparse_attn_strerror.argtypes = [ctypes.c_int32]
+        lib.llama_sparse_attn_set_next_context.restype = None
+        lib.llama_sparse_attn_set_next_context.argtypes = [ctypes.POINTER(llama_sparse_attn_params)]
+    except AttributeError as e:
+        raise SparqError(f"the installed llama.cpp has no sparse attention API ({e}); "
+                         "run `make setup` to build the patched one") from None
+    return lib
+
+
+def available() -> bool:
+    try:
+        _lib()
+        return True
+    except SparqError:
+        return False
+
+
+def default_params() -> llama_sparse_attn_params:
+    return _lib().llama_sparse_attn_default_params()
+
+
+def strerror(code: int) -> str:
+    return _lib().llama_sparse_attn_strerror(code).decode()
+
+
+def set_next_context(params: llama_sparse_attn_params | None) -> None:
+    """The sparse parameters (and so the cache layout) that contexts created from now on start with."""
+    _lib().llama_sparse_attn_set_next_context(ctypes.byref(params) if params is not None else None)
+
+
+def set_params(ctx, params: llama_sparse_attn_params) -> None:
+    code = _lib().llama_set_sparse_attn(ctx, params)
+    if code != 0:
+        raise SparqError(strerror(code))
+
+
+def get_params(ctx) -> llama_sparse_attn_params:
+    out = llama_sparse_attn_params()
+    code = _lib().llama_get_sparse_attn(ctx, ctypes.byref(out))
+    if code != 0:
+        raise SparqError(strerror(code))
+    return out

@@ -1,0 +1,61 @@
+"""User-facing attention settings: Dense() and SparQ(...), checked against a model's geometry."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparq_cpp import transfer
+from sparq_cpp.errors import SparqError
+
+
+@dataclass(frozen=True)
+class Dense:
+    """llama.cpp's own attention (flash attention)."""
+
+    name = "dense"
+
+    def check(self, head_dim: int) -> None:
+        pass
+
+    def reads(self, n_kv: int, head_dim: int, cache_type: str = "f16") -> float:
+        """Bytes of attention data one decode step reads per KV head (SPEC.md transfer model)."""
+        return transfer.dense_bytes(n_kv, head_dim, cache_type)
+
+
+@dataclass(frozen=True)
+class SparQ:
+    """SparQ Attention (Ribar et al., 2024): rank positions with the r largest |q| components,
+    attend to the top k (the l most recent always among them), mean-value reallocation.
+
+    l=None means k // 4, as in the paper. The paper turns mean_value off for GQA models such as
+    Llama 3 and Mistral; here it is on unless you say otherwise.
+    """
+
+    r: int = 16
+    k: int = 128
+    l: int | None = None
+    mean_value: bool = True
+    min_n_kv: int = 0
+    sparse_prompt: bool = False
+
+    name = "sparq"
+
+    @property
+    def local(self) -> int:
+        return self.k // 4 if self.l is None else self.l
+
+    def check(self, head_dim: int) -> None:
+        if not 1 <= self.r <= head_dim:
+            raise SparqError(f"r must be in 1..{head_dim} (the model's head size), got {self.r}")
+        if self.k < 1:
+            raise SparqError(f"k must be >= 1, got {self.k}")
+        if not 0 <= self.local <= self.k:
+            raise SparqError(f"l must be in 0..k ({self.k}), got {self.local}")
+        if self.min_n_kv < 0:
+            raise SparqError(f"min_n_kv must be >= 0, got {self.min_n_kv}")
+
+    def reads(self, n_kv: int, head_dim: int, cache_type: str = "f16") -> float:
+        kt_type = "f32" if cache_type == "f32" else "f16"
+        return transfer.sparq_bytes(n_kv, head_dim, self.r, self.k, cache_type, kt_type)
+
+
+Attention = Dense | SparQ

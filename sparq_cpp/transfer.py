@@ -1,0 +1,59 @@
+"""SPEC.md's transfer model: attention data one decode step reads, per KV head, for each method.
+
+Element counts follow SPEC.md exactly; `bytes_per_element` turns them into bytes for a cache type.
+"""
+from __future__ import annotations
+
+# ggml block sizes: q8_0 stores 32 int8 values and one f16 scale (34 bytes per 32 elements).
+BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def bytes_per_element(cache_type: str) -> float:
+    try:
+        return BYTES_PER_ELEMENT[cache_type]
+    except KeyError:
+        raise ValueError(f"unknown cache type {cache_type!r}") from None
+
+
+def dense_elements(n: int, D: int) -> float:
+    return 2 * n * D + 2 * D
+
+
+def sparq_elements(n: int, D: int, r: int, k: int) -> float:
+    k = min(k, n)
+    return n * r + 2 * k * D + 4 * D
+
+
+def loki_elements(n: int, D: int, d: int, k: int) -> float:
+    k = min(k, n)
+    return n * d + 2 * k * D + 2 * D
+
+
+def exact_topk_elements(n: int, D: int, k: int) -> float:
+    k = min(k, n)
+    return n * D + k * D + 2 * D
+
+
+def h2o_elements(n: int, D: int, k: int) -> float:
+    k = min(k, n)
+    return 2 * k * D + 2 * D + 2 * n
+
+
+def lm_infinite_elements(n: int, D: int, k: int) -> float:
+    k = min(k, n)
+    return 2 * k * D + 2 * D
+
+
+def sparq_bytes(n: int, D: int, r: int, k: int, cache_type: str = "f16", kt_type: str = "f16") -> float:
+    """SparQ in llama.cpp's real types: the n*r ranking reads come from the transposed K copy."""
+    k = min(k, n)
+    return n * r * bytes_per_element(kt_type) + (2 * k * D + 2 * D) * bytes_per_element(cache_type) + 2 * D * 4
+
+
+def dense_bytes(n: int, D: int, cache_type: str = "f16") -> float:
+    return dense_elements(n, D) * bytes_per_element(cache_type)
+
+
+def compression(method_elements: float, n: int, D: int) -> float:
+    """A method's reads divided by dense reads (SPEC.md's compression ratio)."""
+    return method_elements / dense_elements(n, D)
