@@ -35,8 +35,10 @@ def _field(reader, key, default=None):
     return f.contents()
 
 
-def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
-    """Open `path` with the gguf package and check it is a complete GGUF of a supported architecture."""
+def open_gguf(path) -> "gguf.GGUFReader":
+    """Open a GGUF, turning every way it can be unreadable into a SparqError."""
+    import gguf
+
     path = Path(path)
     if not path.exists():
         raise SparqError(f"model file not found: {path}")
@@ -46,8 +48,6 @@ def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise SparqError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    import gguf
-
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on damage
@@ -55,8 +55,15 @@ def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
     # The reader memory-maps tensor data lazily; a truncated file shows as data past the end.
     size = path.stat().st_size
     for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise SparqError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
+    return reader
+
+
+def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
+    """Open `path` with the gguf package and check it is a complete GGUF of a supported architecture."""
+    path = Path(path)
+    reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch is None:
         raise SparqError(f"{path} has no general.architecture key; not a model GGUF")

@@ -71,6 +71,14 @@ def tiny_model(tiny_path):
     return load_llama(tiny_path)
 
 
+@pytest.fixture(scope="module", params=["tiny", "tiny-gqa"])
+def factory_path(request, tmp_path_factory):
+    """The project's synthetic models (peaked attention, real tokenizer)."""
+    modelfactory = pytest.importorskip("sparq_cpp.modelfactory")
+    return modelfactory.write_model(tmp_path_factory.mktemp("f") / f"{request.param}.gguf", request.param,
+                                    wtype="f32", seed=0)
+
+
 def test_load_hparams_and_shapes(tiny_model):
     hp = tiny_model.hparams
     assert (hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_vocab) == (2, 64, 4, 2, 96, 80)
@@ -171,6 +179,23 @@ def test_sparq_selecting_all_equals_dense(tiny_path):
                  ExactTopKAttention(k=30)):
         out = LlamaReference(tiny_path, attention=attn).forward(toks)
         assert np.abs(out - dense).max() <= 1e-5 * np.abs(dense).max(), attn
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_factory_model_prefill_equals_decode_and_sparq_all_equals_dense(factory_path, cache_type):
+    toks = np.random.default_rng(5).integers(3, 2048, size=64)
+    ref = LlamaReference(factory_path, cache_type=cache_type)
+    full = ref.forward(toks)
+    ref.reset()
+    split = np.concatenate([ref.forward(toks[:40])] + [ref.forward(toks[i : i + 1]) for i in range(40, 64)])
+    assert np.abs(full - split).max() <= 1e-5 * np.abs(full).max()
+    sparq = LlamaReference(factory_path, cache_type=cache_type, attention=SparQAttention(r=8, k=64))
+    assert np.abs(sparq.forward(toks) - full).max() <= 1e-5 * np.abs(full).max()
+    hp = ref.model.hparams
+    assert ref.k_cache[0][: ref.n_cells].shape == (64, hp.n_head_kv, hp.head_dim)
+    if cache_type == "f16":  # the cache holds exactly f16 values
+        k = ref.k_cache[1][: ref.n_cells]
+        assert np.array_equal(k, k.astype(np.float16).astype(np.float32))
 
 
 def test_sparse_attention_changes_logits_when_it_drops_positions(tiny_path):

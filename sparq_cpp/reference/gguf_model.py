@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import open_gguf
 
-GGUF_MAGIC = b"GGUF"
 SUPPORTED_WTYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0)
 
 
@@ -73,30 +73,6 @@ class LlamaModel:
 def _field_value(reader: GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
-
-
-def open_gguf(path: str | os.PathLike) -> GGUFReader:
-    """Open a GGUF, turning every way it can be unreadable into a SparqError."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise SparqError(f"model file not found: {path}")
-    if not os.path.isfile(path):
-        raise SparqError(f"model path is not a file: {path}")
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != GGUF_MAGIC:
-        raise SparqError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the reader fails in many ways on a cut-off header
-        raise SparqError(f"truncated or corrupt GGUF header in {path}: {e}") from e
-    for t in reader.tensors:
-        end = t.data_offset + t.n_bytes
-        if end > size or t.data.nbytes != t.n_bytes:
-            raise SparqError(
-                f"truncated GGUF: tensor {t.name} needs bytes up to {end}, file has {size}: {path}")
-    return reader
 
 
 def _dequant(t) -> np.ndarray:
