@@ -29,9 +29,9 @@ def cli():
 
 
 def _register():
-    from sparq_cpp.cli import generate, info, make_model  # noqa: F401  (each adds its command)
+    from sparq_cpp.cli import calibrate, generate, info, make_model
 
-    for mod in (generate, info, make_model):
+    for mod in (generate, calibrate, make_model, info):
         cli.add_command(mod.command)
 
 

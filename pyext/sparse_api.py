@@ -61,6 +61,14 @@ def available() -> bool:
         return False
 
 
+def loki_available() -> bool:
+    """Whether the build has the Loki runtime (it exports the projection loader)."""
+    try:
+        return hasattr(_lib(), "llama_sparse_attn_load_projection")
+    except SparqError:
+        return False
+
+
 def default_params() -> llama_sparse_attn_params:
     return _lib().llama_sparse_attn_default_params()
 

@@ -1,0 +1,116 @@
+"""`sparq-cpp calibrate`: Loki's PCA of a model's keys (pre and post RoPE), written as a projection GGUF."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from sparq_cpp.errors import SparqError
+
+
+def _read_texts(paths) -> str:
+    if not paths:
+        raise SparqError("no calibration text: give --text FILE (UTF-8 text, e.g. WikiText), repeatable")
+    parts = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise SparqError(f"calibration text not found: {p}")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise SparqError(f"calibration text {p} is not UTF-8") from None
+        if not text.strip():
+            raise SparqError(f"calibration text {p} is empty")
+        parts.append(text)
+    return "\n\n".join(parts)
+
+
+def _out_path(model: Path, out, embed: bool) -> Path:
+    if out is not None:
+        out = Path(out)
+    else:
+        out = model.with_name(model.stem + (".loki-embedded.gguf" if embed else ".loki.gguf"))
+    if out.exists() and out.resolve() == model.resolve():
+        raise SparqError(f"--out {out} is the model itself; choose another output path")
+    return out
+
+
+def _table(pca) -> str:
+    pre, post = pca.rank_at("pre").mean(axis=1), pca.rank_at("post").mean(axis=1)
+    D = pca.explained_variance["pre"].shape[-1]
+    lines = [f"rank at 90% explained variance (mean over KV heads, of {D})", "layer    pre   post"]
+    lines += [f"{il:5d} {a:6.1f} {b:6.1f}" for il, (a, b) in enumerate(zip(pre, post))]
+    lines.append(f"  all {pre.mean():6.1f} {post.mean():6.1f}")
+    return "\n".join(lines)
+
+
+@click.command("calibrate")
+@click.option("--gguf", "gguf_path", required=True, metavar="MODEL", help="Model GGUF file.")
+@click.option("--text", "texts", multiple=True, metavar="FILE",
+              help="UTF-8 calibration text (repeatable; the files are read in order).")
+@click.option("--tokens", "n_tokens", type=int, default=16384, show_default=True,
+              help="Stop after this many calibration tokens.")
+@click.option("--ctx-size", "-c", type=int, default=2048, show_default=True,
+              help="Context size: the text is evaluated in chunks of this many tokens.")
+@click.option("--threads", "-t", type=int, default=None, help="Threads (default: all cores).")
+@click.option("--out", "-o", default=None, metavar="PATH",
+              help="Output GGUF (default: <model stem>.loki.gguf, or .loki-embedded.gguf with --embed, "
+                   "next to the model).")
+@click.option("--embed", is_flag=True, help="Write a copy of the model with the projection inside instead.")
+@click.option("--figure", default=None, metavar="PNG",
+              help="Also write the Loki paper's Figure 2 for this model (PNG).")
+def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
+    """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
+    from sparq_cpp.calib import calibrate, embed_projection, write_projection
+    from sparq_cpp.calib.files import check_writable
+    from sparq_cpp.calib.run import check_sizes
+    from sparq_cpp.gguf_check import check_gguf
+
+    # every check that needs no model run comes first
+    check_sizes(n_tokens, ctx_size)
+    if threads is not None and threads < 1:
+        raise SparqError(f"--threads must be >= 1, got {threads}")
+    summary = check_gguf(gguf_path)
+    model = Path(gguf_path)
+    out = check_writable(_out_path(model, out, embed))
+    if figure is not None:
+        check_writable(figure)
+    text = _read_texts(texts)
+
+    t0 = time.perf_counter()
+    pca = calibrate(model, text, n_tokens=n_tokens, ctx_size=ctx_size, n_threads=threads,
+                    progress=sys.stderr.isatty())
+    seconds = time.perf_counter() - t0
+    if embed:
+        embed_projection(out, pca, model, ctx_size=ctx_size)
+    else:
+        write_projection(out, pca, model, ctx_size=ctx_size)
+    click.echo(_table(pca))
+    click.echo(f"calibrated {summary.name} on {pca.n_tokens} tokens in {seconds:.1f} s "
+               f"({pca.n_tokens / seconds:.0f} tokens/s)", err=True)
+    click.echo(f"wrote {out}", err=True)
+    if figure is not None:
+        from sparq_cpp.calib.figure import rank_figure
+
+        rank_figure(figure, pca.rank_at("pre"), pca.rank_at("post"), summary.head_dim, summary.name)
+        click.echo(f"wrote {figure}", err=True)
+
+
+def main():
+    """Standalone entry (until the command is registered in cli/main.py): errors as one line, exit 2."""
+    try:
+        command(standalone_mode=False)
+    except SparqError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

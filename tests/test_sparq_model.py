@@ -1,0 +1,137 @@
+"""SparQ inside llama.cpp's graph, end to end: logits equal the reference forward pass with the
+SparQ kernel, decoding survives cache edits, and bad settings give clear errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp")
+from sparq_cpp.pyext import sparse_api  # noqa: E402
+
+if not sparse_api.available():
+    pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)",
+                allow_module_level=True)
+
+from sparq_cpp import Dense, Llama, SparQ, SparqError  # noqa: E402
+from sparq_cpp.modelfactory import write_model  # noqa: E402
+from sparq_cpp.reference.attention import SparQAttention  # noqa: E402
+from sparq_cpp.reference.forward import LlamaReference  # noqa: E402
+from sparq_cpp.reference.gguf_model import load_llama  # noqa: E402
+
+# f32 cache, every row through SparQ: the op accumulates in f32, the reference in f64.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sparq-models")
+    return {p: write_model(root / f"{p}.gguf", p, wtype="f32", seed=3) for p in ("tiny", "tiny-gqa")}
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def open_llm(path, attention, n_ctx=512, n_threads=1):
+    return Llama(path, attention, cache_type="f32", n_ctx=n_ctx, n_batch=256, n_ubatch=256,
+                 logits_all=True, n_threads=n_threads, n_threads_batch=n_threads, seed=0)
+
+
+def tokens(n, seed=0):
+    return [1] + np.random.default_rng(seed).integers(3, 2048, size=n - 1).tolist()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
+@pytest.mark.parametrize("mean_value", [True, False])
+def test_prompt_and_decode_match_reference(models, preset, mean_value):
+    r, k, l = 8, 24, 6
+    path = models[preset]
+    llm = open_llm(path, SparQ(r=r, k=k, l=l, mean_value=mean_value, sparse_prompt=True))
+    ref = LlamaReference(load_llama(path), attention=SparQAttention(r, k, l, mean_value), cache_type="f32")
+    prompt = tokens(96)
+    llm.eval(prompt)
+    got = np.array(llm.scores[: len(prompt)])
+    assert rel(got, ref.forward(prompt)) <= TOL
+    # 64 decode steps, one token at a time (the mean of V then comes from the running sums)
+    n = len(prompt)
+    for step in range(64):
+        tok = int(np.argmax(got[-1]))
+        llm.eval([tok])
+        got = np.array(llm.scores[n: n + 1])
+        want = ref.forward([tok])
+        assert rel(got, want) <= TOL, f"decode step {step}"
+        n += 1
+
+
+def test_every_position_selected_equals_dense(models):
+    path = models["tiny-gqa"]
+    prompt = tokens(80, seed=1)
+    sparse = open_llm(path, SparQ(r=128, k=4096, sparse_prompt=True))
+    sparse.eval(prompt)
+    ref = LlamaReference(load_llama(path), cache_type="f32")  # dense oracle
+    assert rel(np.array(sparse.scores[:80]), ref.forward(prompt)) <= TOL
+
+
+def test_set_attention_between_steps(models):
+    """Changing r, k, l (or back to dense) between decode calls needs no new context."""
+    path = models["tiny"]
+    prompt = tokens(64, seed=2)
+    a = open_llm(path, SparQ(r=8, k=16))
+    a.eval(prompt)
+    a.set_attention(SparQ(r=4, k=8, l=0))
+    a.eval([5])
+    b = open_llm(path, SparQ(r=4, k=8, l=0))
+    b.eval(prompt)
+    b.eval([5])
+    assert np.array_equal(np.array(a.scores[64]), np.array(b.scores[64]))
+    with pytest.raises(SparqError, match="r must be in 1..64"):
+        a.set_attention(SparQ(r=65))
+
+
+def test_seq_rm_then_continue_equals_fresh(models):
+    """After removing the tail of the cache, decoding continues as a fresh context would."""
+    path = models["tiny"]
+    att = SparQ(r=8, k=16, l=4)
+    prompt = tokens(100, seed=4)
+    a = open_llm(path, att)
+    a.eval(prompt)
+    a.n_tokens = 70  # llama_cpp's eval removes cells >= n_tokens (seq_rm) before the next batch
+    a.eval([7, 8, 9])
+    got = np.array(a.scores[72])
+    b = open_llm(path, att)
+    b.eval(prompt[:70] + [7, 8, 9])
+    want = np.array(b.scores[72])
+    assert rel(got, want) <= 1e-5
+
+
+def test_state_save_load_continues(models):
+    path = models["tiny-gqa"]
+    att = SparQ(r=16, k=16, l=4)
+    prompt = tokens(90, seed=5)
+    a = open_llm(path, att)
+    a.eval(prompt)
+    state = a.save_state()
+    a.eval([11])
+    want = np.array(a.scores[90])
+    b = open_llm(path, att)
+    b.load_state(state)
+    b.eval([11])
+    assert rel(np.array(b.scores[90]), want) <= 1e-5
+
+
+def test_bad_settings_are_refused(models):
+    path = models["tiny"]
+    with pytest.raises(SparqError, match="r must be"):
+        Llama(path, SparQ(r=0))
+    with pytest.raises(SparqError, match="k must be"):
+        Llama(path, SparQ(k=0))
+    with pytest.raises(SparqError, match="l must be"):
+        Llama(path, SparQ(k=8, l=9))
+    with pytest.raises(SparqError, match="flash attention"):
+        Llama(path, SparQ(), flash_attn=False)
+    with pytest.raises(SparqError):
+        Llama(path, SparQ(), cache_type="q4_0")
+    # a dense context cannot switch to SparQ: the transposed K copy was not allocated
+    llm = Llama(path, Dense(), n_ctx=128)
+    with pytest.raises(SparqError, match="(?i)created without|transposed"):
+        llm.set_attention(SparQ())
