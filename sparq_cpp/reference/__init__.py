@@ -3,6 +3,7 @@
 from sparq_cpp.reference.attention import DenseAttention, ExactTopKAttention, SparQAttention
 from sparq_cpp.reference.forward import LlamaReference
 from sparq_cpp.reference.gguf_model import LlamaModel, load_llama
+from sparq_cpp.reference.loki import LokiAttention
 
 __all__ = ["DenseAttention", "ExactTopKAttention", "SparQAttention", "LlamaReference", "LlamaModel",
-           "load_llama"]
+           "LokiAttention", "load_llama"]
