@@ -1,0 +1,184 @@
+"""Time ggml_sparq_attn against dense ggml_flash_attn_ext on the CPU, one decode step (batch 1).
+
+Defaults: 32 query heads = 32 KV heads, D = 128, f16 cache, r = 16, k = 128, l = 32, 2 threads,
+n_kv = 1k..32k. Each graph holds L layers with their own cache (like a model's attention layers),
+so that the data read per step exceeds the last-level cache wherever the memory budget allows;
+the time per layer is the median over repeats of (graph time / L).
+
+Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16), per head:
+dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D. The machine's read bandwidth is measured with a small
+multi-threaded C loop (numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with
+SPARQ_CPP_LIB_DIR pointing at a patched build).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from sparq_cpp.errors import SparqError
+from sparq_cpp.pyext import ggml_ops as go
+
+_BW_SRC = r"""
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+typedef struct { const float * p; size_t n; double s; } job_t;
+static void * run(void * a) {
+    job_t * j = (job_t *) a; const float * p = j->p; size_t n = j->n;
+#if defined(__AVX512F__)
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (size_t i = 0; i + 64 <= n; i += 64) {
+        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
+        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32)); s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
+    }
+    j->s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+#else
+    float s = 0; for (size_t i = 0; i < n; ++i) s += p[i]; j->s = s;
+#endif
+    return 0;
+}
+double bw(size_t bytes, int nth, int reps) {
+    size_t n = bytes / sizeof(float);
+    float * p = aligned_alloc(64, n * sizeof(float));
+    for (size_t i = 0; i < n; ++i) p[i] = 1.0f;
+    double best = 0;
+    for (int r = 0; r < reps; ++r) {
+        pthread_t t[64]; job_t j[64];
+        struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
+        for (int k = 0; k < nth; ++k) { j[k].p = p + k * (n / nth); j[k].n = n / nth; pthread_create(&t[k], 0, run, &j[k]); }
+        for (int k = 0; k < nth; ++k) pthread_join(t[k], 0);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        double s = (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
+        double g = bytes / s / 1e9; if (g > best) best = g;
+    }
+    free(p);
+    return best;
+}
+"""
+
+
+def measure_bandwidth(n_threads: int = 2, nbytes: int = 1 << 30, reps: int = 5) -> tuple[float, str]:
+    """Best-of-reps read bandwidth in GB/s over an nbytes array, and how it was measured."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc:
+        with tempfile.TemporaryDirectory() as d:
+            src, so = Path(d) / "bw.c", Path(d) / "bw.so"
+            src.write_text(_BW_SRC)
+            r = subprocess.run([cc, "-O2", "-march=native", "-shared", "-fPIC", "-pthread", str(src), "-o", str(so)],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                f = ctypes.CDLL(str(so)).bw
+                f.restype, f.argtypes = ctypes.c_double, [ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+                return f(nbytes, n_threads, reps), f"C loop, {n_threads} threads, {nbytes >> 20} MiB"
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a.sum()
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    return best, f"numpy sum, 1 thread, {nbytes >> 20} MiB"
+
+
+def bytes_dense(n, D, n_head_kv, ts=2):
+    return n_head_kv * (2 * n * D + 2 * D) * ts
+
+
+def bytes_sparq(n, D, n_head_kv, r, k, ts=2):
+    return n_head_kv * (n * r + 2 * min(k, n) * D + 4 * D) * ts
+
+
+def _layers(n_kv, n_head_kv, D, budget):
+    per_layer = 3 * n_kv * n_head_kv * D * 2  # k, v, kt f16
+    return int(max(2, min(16, budget // per_layer)))
+
+
+def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0):
+    """(median, min) seconds per layer for sparq and for flash attention, and the number of layers."""
+    rng = np.random.default_rng(seed)
+    L = _layers(n_kv, n_head_kv, D, budget)
+    scale = 1.0 / np.sqrt(D)
+    mask = np.ones((1, n_kv), dtype=bool)
+    pos = np.arange(n_kv, dtype=np.int32)
+    res = {}
+    with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd:
+        for _ in range(L):
+            q = rng.standard_normal((1, n_head, D), dtype=np.float32)
+            kk = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
+            vv = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
+            vm = vv.mean(axis=0)[None].astype(np.float32)
+            cache = go.KVCache(gs, kk, vv, "f16")
+            del kk, vv
+            qt = go.q_tensor(gs, q)
+            mt = go.mask_tensor(gs, mask)
+            pt = gs.tensor(pos, "i32")
+            vt = gs.tensor(vm, "f32") if mean_value else None
+            gs.output(gs.sparq_attn(qt, cache.k, cache.kt, cache.v, mt, pt, vt, scale, r, k, l, mean_value), q.shape)
+            # dense reads the same K/V views (tensors of another context are fine as sources)
+            qd = go.q_tensor(gd, q)
+            md = go.mask_tensor(gd, mask)
+            gd.output(gd.flash_attn_ext(qd, cache.k, cache.v, md, scale), q.shape)
+        for name, g in (("sparq", gs), ("dense", gd)):
+            g.build(n_threads)
+            g.compute(n_threads)  # warm-up
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                g.compute(n_threads)
+                ts.append((time.perf_counter() - t0) / L)
+            res[name] = (statistics.median(ts), min(ts))
+    return res["sparq"], res["dense"], L
+
+
+@click.command()
+@click.option("--n-kv", "n_kvs", default="1024,2048,4096,8192,16384,32768", show_default=True)
+@click.option("--n-head", default=32, show_default=True)
+@click.option("--n-head-kv", default=32, show_default=True)
+@click.option("--head-dim", "D", default=128, show_default=True)
+@click.option("-r", "r", default=16, show_default=True)
+@click.option("-k", "k", default=128, show_default=True)
+@click.option("-l", "l", default=32, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+@click.option("--reps", default=7, show_default=True)
+@click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+def main(n_kvs, n_head, n_head_kv, D, r, k, l, threads, reps, mem_budget_gb, json_out):
+    if not go.has_sparq_attn():
+        raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
+    bw, how = measure_bandwidth(threads)
+    click.echo(f"read bandwidth: {bw:.1f} GB/s ({how})")
+    click.echo("times are per layer: median of the repeats (min in brackets); GB/s and speedup from the medians")
+    click.echo(f"{'n_kv':>6} {'L':>3} {'dense ms':>17} {'sparq ms':>15} {'speedup':>8} {'dense GB/s':>10} "
+               f"{'sparq GB/s':>10} {'sparq %bw':>9} {'MB dense':>9} {'MB sparq':>9}")
+    rows = []
+    for n in [int(x) for x in n_kvs.split(",")]:
+        (ts, ts_min), (td, td_min), L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps,
+                                                    int(mem_budget_gb * 2**30))
+        bd, bs = bytes_dense(n, D, n_head_kv), bytes_sparq(n, D, n_head_kv, r, k)
+        row = dict(n_kv=n, layers=L, dense_s=td, sparq_s=ts, dense_min_s=td_min, sparq_min_s=ts_min,
+                   speedup=td / ts, dense_bytes=bd, sparq_bytes=bs,
+                   dense_gbs=bd / td / 1e9, sparq_gbs=bs / ts / 1e9, sparq_bw_frac=bs / ts / 1e9 / bw)
+        rows.append(row)
+        click.echo(f"{n:>6} {L:>3} {td*1e3:>8.3f} ({td_min*1e3:>6.2f}) {ts*1e3:>6.3f} ({ts_min*1e3:>5.2f}) "
+                   f"{row['speedup']:>7.1f}x {row['dense_gbs']:>10.1f} {row['sparq_gbs']:>10.1f} "
+                   f"{100*row['sparq_bw_frac']:>8.0f}% {bd/1e6:>9.1f} {bs/1e6:>9.2f}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(dict(bandwidth_gbs=bw, bandwidth_how=how, n_head=n_head,
+                                                  n_head_kv=n_head_kv, D=D, r=r, k=k, l=l, threads=threads,
+                                                  rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
