@@ -1,0 +1,98 @@
+"""Bytes one decode step (batch 1) reads: the weights it touches plus the KV cache reads of SPEC.md.
+
+Weights: every matrix and norm of every layer, the output norm and head, and one row of the token
+embedding (a tied head, with no output.weight, reads the whole embedding), at their stored size
+(q8_0: 34 bytes per 32 values). KV, per layer and KV head, from SPEC.md's element counts in the
+cache's real types (sparq_cpp.transfer): dense `(2n*D + 2*D)` elements of the cache type; SparQ
+`n*r` from the transposed K copy (f16, f32 for an f32 cache) + `(2k*D + 2*D)` of the cache type +
+`2*D` f32 (the V sum read and written); Loki `n*d + 2k*D + 2*D` of the cache type. n is the
+number of visible positions: the S cached ones plus the new token, n = S + 1.
+Activations, logits and the KQ mask are left out (under 1% at 7B shapes).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from sparq_cpp import transfer
+from sparq_cpp.errors import SparqError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory estimate and the transfer model need to know about a model."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    weight_bytes: int  # the whole file's tensors (all resident while decoding)
+    weight_bytes_per_token: int  # what one decode step reads
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"head_dim": self.head_dim, "n_embd_kv": self.n_embd_kv}
+
+
+def shape_from_gguf(path) -> ModelShape:
+    """A ModelShape from a GGUF's metadata and tensor sizes."""
+    from sparq_cpp.gguf_check import _field, check_gguf, open_gguf
+
+    s = check_gguf(path)
+    reader = open_gguf(path)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    rows = {t.name: int(t.shape[-1]) if len(t.shape) > 1 else 1 for t in reader.tensors}
+    if "token_embd.weight" not in sizes:
+        raise SparqError(f"{path}: no token_embd.weight tensor")
+    total = sum(sizes.values())
+    emb = sizes["token_embd.weight"]
+    per_token = total - emb + emb // max(1, rows["token_embd.weight"])
+    if "output.weight" not in sizes:  # tied embeddings: the head reads the whole embedding
+        per_token += emb - emb // max(1, rows["token_embd.weight"])
+    n_ff = _field(reader, f"{s.arch}.feed_forward_length")
+    return ModelShape(n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_head_kv=s.n_head_kv,
+                      n_ff=int(n_ff) if n_ff is not None else 0, n_vocab=s.n_vocab, n_ctx_train=s.n_ctx_train,
+                      weight_bytes=total, weight_bytes_per_token=per_token)
+
+
+def shape_from_geometry(geo, wtype: str) -> ModelShape:
+    """The ModelShape the model factory's file for geo and wtype will have (before writing it)."""
+    bpe = transfer.bytes_per_element(wtype)
+    E, Eq, Ekv = geo.n_embd, geo.n_head * geo.head_dim, geo.n_head_kv * geo.head_dim
+    mats = Eq * E + 2 * Ekv * E + E * Eq + 3 * geo.n_ff * E
+    per_layer = mats * bpe + 2 * E * 4
+    emb = geo.n_vocab * E * bpe
+    total = geo.n_layer * per_layer + 2 * emb + E * 4
+    per_token = total - emb + E * bpe
+    return ModelShape(geo.n_layer, E, geo.n_head, geo.n_head_kv, geo.n_ff, geo.n_vocab, geo.n_ctx_train,
+                      int(total), int(per_token))
+
+
+def kv_bytes_per_head(kind: str, n: int, D: int, cache_type: str, *, r: int = 16, k: int = 128,
+                      d: int = 32) -> float:
+    """Attention data one decode step reads for one layer and KV head (SPEC.md), in bytes."""
+    if kind == "dense":
+        return transfer.dense_bytes(n, D, cache_type)
+    if kind == "sparq":
+        kt_type = "f32" if cache_type == "f32" else "f16"
+        return transfer.sparq_bytes(n, D, r, k, cache_type, kt_type)
+    if kind == "loki":
+        return transfer.loki_elements(n, D, d, k) * transfer.bytes_per_element(cache_type)
+    raise SparqError(f"no transfer model for attention kind {kind!r}")
+
+
+def token_bytes(shape: ModelShape, kind: str, depth: int, cache_type: str, **params) -> dict:
+    """{'weights', 'kv', 'total'} bytes one token reads at depth S (n = S + 1 visible positions)."""
+    n = depth + 1
+    kv = shape.n_layer * shape.n_head_kv * kv_bytes_per_head(kind, n, shape.head_dim, cache_type, **params)
+    return {"weights": float(shape.weight_bytes_per_token), "kv": float(kv),
+            "total": float(shape.weight_bytes_per_token + kv), "n": n}
