@@ -104,6 +104,7 @@ class BenchConfig:
     max_extra_steps: int | None = None
     max_retry_s: float = 300.0
     wait_quiet: float = 0.0
+    interleave: bool = True
     bandwidth_bytes: int = GIB
     progress: bool = True
 
@@ -307,6 +308,34 @@ def depth_estimate(shape: ModelShape, cfg: BenchConfig, depth: int) -> dict:
     ests = {m: estimate_memory(shape, MODES[m], depth, fills_at(cfg, depth), cfg.prefill_batch) for m in cfg.modes}
     worst = max(ests, key=lambda m: ests[m]["total"])
     return {"mode": worst, **ests[worst]}
+
+
+def group_estimate(shape: ModelShape, cfg: BenchConfig, depth: int, modes: list) -> dict:
+    """Peak of several modes' contexts alive at once: their caches and compute buffers add up,
+    the weights (one memory-mapped file), the transient and the overhead do not."""
+    ests = [estimate_memory(shape, MODES[m], depth, fills_at(cfg, depth), cfg.prefill_batch) for m in modes]
+    out = {k: sum(e[k] for e in ests) for k in ("kv_cache", "k_transposed", "compute")}
+    out["weights"], out["overhead"] = ests[0]["weights"], ests[0]["overhead"]
+    out["transient"] = max(e["transient"] for e in ests)
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan_groups(shape: ModelShape, cfg: BenchConfig, depth: int, budget: int) -> list:
+    """Modes whose contexts can be alive together at this depth, packed greedily in --modes order
+    (with --interleave off, or where memory allows nothing more, one mode per group). Within a
+    group the timed steps of the modes alternate, so a slow spell of the machine (or of the host
+    under a virtual machine, which no CPU counter here sees) hits them alike."""
+    if not cfg.interleave:
+        return [[m] for m in cfg.modes]
+    groups, cur = [], []
+    for m in cfg.modes:
+        if cur and group_estimate(shape, cfg, depth, cur + [m])["total"] > budget:
+            groups.append(cur)
+            cur = []
+        cur.append(m)
+    groups.append(cur)
+    return groups
 
 
 def choose_layers(geo_for, cfg: BenchConfig, budget: int, max_layers: int) -> int:
@@ -533,82 +562,88 @@ def _stats(samples: list) -> dict:
             "max_s": float(a.max()), "mean_s": float(a.mean())}
 
 
-def _run_one(path, shape, mode: Mode, cfg: BenchConfig, depth: int, fills: list, token: int, k_std, v_std,
-             bar) -> list:
-    """Time one mode at one depth: one context per fill, filled, warmed up, then the timed steps of
-    the fills alternate (synthetic, prefill, synthetic, ...) so that a slow spell of a shared
-    machine hits both fills alike.
+def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: list, token: int, k_std, v_std,
+               bar) -> list:
+    """Time some modes at one depth: one context per (mode, fill), each filled and warmed up, then
+    their timed steps alternate round-robin (mode A synthetic, A prefill, B synthetic, ...) so that
+    a slow spell of a shared machine hits them all alike.
 
     A step during which our threads waited for a CPU for more than `disturbed_frac` of its time
     (another process took a core) is kept in the JSON but marked disturbed, and another step is
-    taken instead, up to `max_extra_steps` more steps and `max_retry_s` seconds. The statistics
-    use the undisturbed steps when there are at least half of `repeats` of them, else all steps
-    (and the record says so).
+    taken instead, up to `max_extra_steps` more steps per context and `max_retry_s` seconds. The
+    statistics use the undisturbed steps when there are at least half of `repeats` of them, else
+    all steps (and the record says so).
     """
-    tag = f"S={fmt_depth(depth)} {mode.name}"
+    tag = f"S={fmt_depth(depth)} {','.join(m.name for m in modes)}"
     ctxs, fill_s, warm, samples = {}, {}, {}, {}
     max_extra = cfg.max_extra_steps if cfg.max_extra_steps is not None else 3 * cfg.repeats
     try:
-        for fill in fills:
-            bar.set_postfix_str(f"{tag}: {fill} fill")
-            c = ctxs[fill] = _Context(path, shape, mode, cfg, depth, [fill])
-            if fill == "synthetic":
-                fill_s[fill] = c.fill_synthetic(depth, k_std, v_std, cfg.seed)
-            else:
-                fill_s[fill] = c.fill_prefill(depth, cfg.seed, shape.n_vocab)
+        for mode in modes:
+            for fill in fills:
+                key = (mode.name, fill)
+                bar.set_postfix_str(f"S={fmt_depth(depth)} {mode.name}: {fill} fill")
+                c = ctxs[key] = _Context(path, shape, mode, cfg, depth, [fill])
+                if fill == "synthetic":
+                    fill_s[key] = c.fill_synthetic(depth, k_std, v_std, cfg.seed)
+                else:
+                    fill_s[key] = c.fill_prefill(depth, cfg.seed, shape.n_vocab)
         waited = 0.0
         if cfg.wait_quiet > 0:
             bar.set_postfix_str(f"{tag}: waiting for a quiet machine")
             waited = machine.wait_quiet(cfg.wait_quiet)
         bar.set_postfix_str(f"{tag}: decode")
         mon = machine.CpuMonitor()
-        for fill, c in ctxs.items():
-            warm[fill] = []
-            for _ in range(_warmup_steps(cfg, mode, fill)):
-                warm[fill].append(c.step(depth, token)[0])
+        for key, c in ctxs.items():
+            warm[key] = []
+            for _ in range(_warmup_steps(cfg, MODES[key[0]], key[1])):
+                warm[key].append(c.step(depth, token)[0])
                 bar.update(1)
-            samples[fill] = []
+            samples[key] = []
         kept = dict.fromkeys(ctxs, 0)
-        extra, t_start = 0, time.perf_counter()
-        while any(kept[f] < cfg.repeats for f in ctxs):
-            for fill, c in ctxs.items():
-                if kept[fill] >= cfg.repeats:
+        t_start = time.perf_counter()
+        while any(kept[k] < cfg.repeats for k in ctxs):
+            for key, c in ctxs.items():
+                if kept[key] >= cfg.repeats or len(samples[key]) >= cfg.repeats + max_extra:
                     continue
                 dt, wait = c.step(depth, token)
                 disturbed = wait is not None and wait > cfg.disturbed_frac * dt
-                samples[fill].append((dt, wait, disturbed))
-                if disturbed and len(samples[fill]) > cfg.repeats:
-                    extra += 1
+                samples[key].append((dt, wait, disturbed))
                 if not disturbed:
-                    kept[fill] += 1
+                    kept[key] += 1
                     bar.update(1)
                 else:
-                    bar.set_postfix_str(f"{tag}: decode, {sum(x[2] for f in samples for x in samples[f])} disturbed")
+                    n_dist = sum(x[2] for k in samples for x in samples[k])
+                    bar.set_postfix_str(f"{tag}: decode, {n_dist} disturbed")
                     time.sleep(0.2)
-            done_min = all(len(samples[f]) >= cfg.repeats for f in ctxs)
-            if done_min and (extra >= max_extra or time.perf_counter() - t_start > cfg.max_retry_s):
-                bar.update(sum(cfg.repeats - kept[f] for f in ctxs))
+            exhausted = all(kept[k] >= cfg.repeats or len(samples[k]) >= cfg.repeats + max_extra for k in ctxs)
+            timed_out = (time.perf_counter() - t_start > cfg.max_retry_s
+                         and all(len(samples[k]) >= cfg.repeats for k in ctxs))
+            if exhausted or timed_out:
+                bar.update(sum(max(0, cfg.repeats - kept[k]) for k in ctxs))
                 break
         others = mon.foreign_share()
     finally:
         for c in ctxs.values():
             c.close()
-    by = token_bytes(shape, mode.kind, depth, mode.cache_type, r=cfg.r, k=cfg.k, d=cfg.d)
     out = []
-    for fill in fills:
-        allt = [x[0] for x in samples[fill]]
-        good = [x[0] for x in samples[fill] if not x[2]]
-        use_good = len(good) >= max(1, -(-cfg.repeats // 2))
-        st = _stats(good if use_good else allt)
-        out.append({"depth": depth, "mode": mode.name, "fill": fill, "samples_s": allt,
-                    "run_queue_wait_s": [x[1] for x in samples[fill]],
-                    "disturbed": [x[2] for x in samples[fill]],
-                    "stats_from": "undisturbed steps" if use_good else "all steps (machine busy throughout)",
-                    "n_used": len(good) if use_good else len(allt),
-                    "warmup_s": warm[fill], **st, "fill_s": fill_s[fill], "bytes": by,
-                    "effective_gbs": by["total"] / st["median_s"] / 1e9,
-                    "attention": ctxs[fill].attention, "n_ctx": n_ctx_for(depth),
-                    "other_processes_cpu_share": others, "waited_for_quiet_s": waited})
+    for mode in modes:
+        by = token_bytes(shape, mode.kind, depth, mode.cache_type, r=cfg.r, k=cfg.k, d=cfg.d)
+        for fill in fills:
+            key = (mode.name, fill)
+            allt = [x[0] for x in samples[key]]
+            good = [x[0] for x in samples[key] if not x[2]]
+            use_good = len(good) >= max(1, -(-cfg.repeats // 2))
+            st = _stats(good if use_good else allt)
+            out.append({"depth": depth, "mode": mode.name, "fill": fill, "samples_s": allt,
+                        "run_queue_wait_s": [x[1] for x in samples[key]],
+                        "disturbed": [x[2] for x in samples[key]],
+                        "stats_from": "undisturbed steps" if use_good else "all steps (machine busy throughout)",
+                        "n_used": len(good) if use_good else len(allt),
+                        "warmup_s": warm[key], **st, "fill_s": fill_s[key], "bytes": by,
+                        "effective_gbs": by["total"] / st["median_s"] / 1e9,
+                        "attention": ctxs[key].attention, "n_ctx": n_ctx_for(depth),
+                        "timed_with": [m.name for m in modes],
+                        "other_processes_cpu_share": others, "waited_for_quiet_s": waited})
     return out
 
 
@@ -653,6 +688,14 @@ def run(cfg: BenchConfig, log=print) -> dict:
             raise SparqError(f"--depths: depth {fmt_depth(depth)} does not fit this machine's memory: estimated peak "
                              f"{fmt_bytes(estimates[depth]['total'])} ({estimates[depth]['mode']}) > budget "
                              f"{fmt_bytes(budget)}; use fewer --layers or smaller --depths")
+    groups = {d: plan_groups(shape, cfg, d, budget) for d in cfg.depths}
+    for depth in cfg.depths:
+        g = groups[depth]
+        peak = max(group_estimate(shape, cfg, depth, x)["total"] for x in g)
+        estimates[depth]["groups"] = g
+        estimates[depth]["group_peak"] = peak
+        log(f"          S={fmt_depth(depth):>5} timed together: {' | '.join(','.join(x) for x in g)} "
+            f"(peak {fmt_bytes(peak)})")
 
     shape = ensure_model(cfg, path, to_write, log)
     info = machine.machine_info()
@@ -685,8 +728,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
     try:
         for depth in cfg.depths:
             fills = fills_at(cfg, depth)
-            for mname in cfg.modes:
-                results += _run_one(path, shape, MODES[mname], cfg, depth, fills, token, k_std, v_std, bar)
+            for group in groups[depth]:
+                results += _run_group(path, shape, [MODES[m] for m in group], cfg, depth, fills, token,
+                                      k_std, v_std, bar)
     finally:
         bar.close()
 

@@ -48,10 +48,12 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
               help="Most steps retaken per (S, mode) for disturbed ones (default 3 x repeats).")
 @click.option("--wait-quiet", type=float, default=0.0, show_default=True,
               help="Before timing each (S, mode), wait up to this many seconds for other processes to go quiet.")
+@click.option("--interleave/--no-interleave", default=True, show_default=True,
+              help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def command(model, preset, wtype, layers, depths, modes, r, k, l, d, mean_value, repeats, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
-            max_extra_steps, wait_quiet, progress):
+            max_extra_steps, wait_quiet, interleave, progress):
     """Time ONE decoded token at depth S for each mode (median and IQR of repeated steps at a fixed
     depth), with the bytes each token reads, the machine's read bandwidth, and the speed-up bound."""
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
@@ -59,7 +61,8 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, mean_value,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=max(1, bandwidth_mib) << 20, disturbed_frac=disturbed_frac,
-                      max_extra_steps=max_extra_steps, wait_quiet=wait_quiet, progress=progress)
+                      max_extra_steps=max_extra_steps, wait_quiet=wait_quiet, interleave=interleave,
+                      progress=progress)
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(format_table(doc))
     for path, what in ((doc["config"]["json_path"], "json"), (doc["config"]["plot_path"], "plot")):

@@ -227,6 +227,17 @@ def test_memory_estimate_and_layer_choice():
     per = e2e.depth_estimate(geo_for(9), cfg, 32768)["total"]
     assert e2e.choose_layers(geo_for, cfg, per, 32) == 8  # 9 fit, rounded down to a multiple of 4
     assert e2e.choose_layers(geo_for, cfg, 10**8, 32) == 0
+    # modes share a depth's timing window where their contexts fit together
+    cfg4 = BenchConfig(depths=[32768], modes=["dense-fa", "dense-nofa", "dense-q8kv", "sparq"])
+    s8 = geo_for(8)
+    one = e2e.group_estimate(s8, cfg4, 32768, ["dense-fa"])
+    two = e2e.group_estimate(s8, cfg4, 32768, ["dense-fa", "dense-nofa"])
+    assert two["weights"] == one["weights"] and two["kv_cache"] == 2 * one["kv_cache"]
+    assert e2e.plan_groups(s8, cfg4, 32768, 10**12) == [cfg4.modes]
+    assert e2e.plan_groups(s8, cfg4, 32768, two["total"]) == [["dense-fa", "dense-nofa"], ["dense-q8kv", "sparq"]]
+    assert e2e.plan_groups(s8, cfg4, 32768, 0) == [[m] for m in cfg4.modes]
+    assert e2e.plan_groups(s8, BenchConfig(**{**cfg4.__dict__, "interleave": False}), 32768, 10**12) == \
+        [[m] for m in cfg4.modes]
 
 
 # ---- bad input ---------------------------------------------------------------------------
@@ -306,7 +317,7 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
     for r in data["results"]:
         assert len(r["samples_s"]) >= 2 and len(r["warmup_s"]) == 1 and r["median_s"] > 0
         assert len(r["disturbed"]) == len(r["run_queue_wait_s"]) == len(r["samples_s"])
-        assert r["n_used"] >= 1
+        assert r["n_used"] >= 1 and r["timed_with"] == modes  # tiny: every mode fits at once
         assert r["bytes"]["total"] > r["bytes"]["weights"] > 0
     assert len(data["fill_agreement"]) == 2 * len(modes)
     summ = {(r["depth"], r["mode"]): r for r in data["summary"]}
