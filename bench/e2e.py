@@ -88,6 +88,8 @@ class BenchConfig:
     k: int = 128
     l: int = 32
     d: int = 32
+    loki_l: int = 0
+    loki_pca: Path | None = None  # None: a synthetic basis for the model (decode time does not depend on it)
     mean_value: bool = True
     repeats: int = 7
     warmup: int = 2
@@ -200,6 +202,10 @@ def validate(cfg: BenchConfig) -> BenchConfig:
             raise SparqError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(cfg, name)}")
     if cfg.l > cfg.k:
         raise SparqError(f"--l: must be in 0..k ({cfg.k}), got {cfg.l}")
+    if not 0 <= cfg.loki_l <= cfg.k:
+        raise SparqError(f"--loki-l: must be in 0..k ({cfg.k}), got {cfg.loki_l}")
+    if cfg.loki_pca is not None and not Path(cfg.loki_pca).is_file():
+        raise SparqError(f"--loki-pca: file not found: {cfg.loki_pca}")
     threads = cfg.threads if cfg.threads is not None else _default_threads()
     if threads < 1:
         raise SparqError(f"--threads: must be >= 1, got {threads}")
@@ -243,12 +249,37 @@ def _check_build(modes: list) -> None:
             bad = [m for m in modes if not MODES[m].dense]
             raise SparqError(f"--modes {','.join(bad)}: the installed llama.cpp has no sparse attention "
                              "API; run `make setup` to build the patched one")
-        if "loki" in kinds:
-            if not sparse_api.loki_available():
-                raise SparqError("--modes loki: the installed llama.cpp build has no Loki runtime yet "
-                                 "(no llama_sparse_attn_load_projection); drop loki from --modes")
-            raise SparqError("--modes loki: the build has a Loki runtime, but the bench does not drive it "
-                             "yet (it needs a calibrated projection file); drop loki from --modes")
+        if "loki" in kinds and not sparse_api.loki_available():
+            raise SparqError("--modes loki: the installed llama.cpp build has no Loki runtime "
+                             "(no llama_sparse_attn_load_projection); run `make setup` or drop loki from --modes")
+
+
+def loki_projection(cfg: BenchConfig, path: Path, shape: ModelShape, log) -> tuple:
+    """(projection file, how it was made) for the Loki mode: --loki-pca checked against the model, or a
+    synthetic basis (random orthonormal per layer and KV head, written once next to the model). Decode time
+    does not depend on the basis values, only on d, k and the cache, so the synthetic one times Loki
+    honestly; it says nothing about Loki's accuracy."""
+    from sparq_cpp.calib.pca import LokiPCA
+    from sparq_cpp.calib.projection import read_projection, write_projection
+
+    if cfg.loki_pca is not None:
+        read_projection(cfg.loki_pca, model_path=path)
+        return Path(cfg.loki_pca), "calibrated (--loki-pca)"
+    out = path.with_name(path.stem + ".loki-synthetic.gguf")
+    if out.is_file():
+        try:
+            read_projection(out, model_path=path)
+            return out, "synthetic (random orthonormal basis)"
+        except SparqError:
+            pass
+    log(f"writing a synthetic Loki basis {out.name} (random orthonormal; timing only)")
+    rng = np.random.default_rng(cfg.seed)
+    L, H, D = shape.n_layer, shape.n_head_kv, shape.head_dim
+    P = np.stack([np.stack([np.linalg.qr(rng.standard_normal((D, D)))[0] for _ in range(H)]) for _ in range(L)])
+    var = np.broadcast_to(np.linspace(1.0, 0.01, D), (L, H, D)).copy()
+    pca = LokiPCA(components={"pre": P, "post": P}, explained_variance={"pre": var, "post": var}, n_tokens=0)
+    write_projection(out, pca, path, ctx_size=0)
+    return out, "synthetic (random orthonormal basis)"
 
 
 # ---- memory ------------------------------------------------------------------------------
@@ -437,14 +468,19 @@ class _Context:
     """One llama.cpp context for a mode, with the low-level handles the steps need."""
 
     def __init__(self, path, shape: ModelShape, mode: Mode, cfg: BenchConfig, depth: int, fills: list):
-        from sparq_cpp.attention import Dense, SparQ
+        from sparq_cpp.attention import Dense, Loki, SparQ
         from sparq_cpp.llm import Llama, import_llama_cpp
 
         self.lc = import_llama_cpp()
         self.mode, self.depth = mode, depth
         n_ctx = n_ctx_for(depth)
         self.n_batch = _ubatch(fills, n_ctx, cfg.prefill_batch)
-        att = Dense() if mode.dense else SparQ(r=cfg.r, k=cfg.k, l=cfg.l, mean_value=cfg.mean_value)
+        if mode.dense:
+            att = Dense()
+        elif mode.kind == "loki":
+            att = Loki(d=cfg.d, k=cfg.k, l=cfg.loki_l, projection=cfg.loki_pca)
+        else:
+            att = SparQ(r=cfg.r, k=cfg.k, l=cfg.l, mean_value=cfg.mean_value)
         self.llm = Llama(path, att, cache_type=mode.cache_type, n_ctx=n_ctx, n_batch=self.n_batch,
                          n_ubatch=self.n_batch, n_threads=cfg.threads, n_threads_batch=cfg.threads,
                          flash_attn=mode.flash_attn, seed=cfg.seed, logits_all=False)
@@ -455,8 +491,9 @@ class _Context:
             self.layout = KVLayout(shape.n_layer, shape.n_embd_kv, shape.n_embd_kv, mode.cache_type,
                                    not mode.flash_attn)
             self.attention = self._attention_in_effect()
-            if not mode.dense and self.attention.get("mode") != 1:
-                raise SparqError(f"{mode.name}: the context did not switch SparQ on ({self.attention})")
+            want = {"sparq": 1, "loki": 2}.get(mode.kind, 0)
+            if not mode.dense and self.attention.get("mode") != want:
+                raise SparqError(f"{mode.name}: the context did not switch {mode.kind} on ({self.attention})")
             if mode.dense and self.attention.get("mode", 0) != 0:
                 raise SparqError(f"{mode.name}: the context runs sparse attention ({self.attention})")
             self.batch = self.lc.llama_batch_init(max(1, self.n_batch), 0, 1)
@@ -698,6 +735,10 @@ def run(cfg: BenchConfig, log=print) -> dict:
             f"(peak {fmt_bytes(peak)})")
 
     shape = ensure_model(cfg, path, to_write, log)
+    loki_basis = None
+    if any(MODES[m].kind == "loki" for m in cfg.modes):
+        cfg.loki_pca, loki_basis = loki_projection(cfg, path, shape, log)
+        log(f"loki      basis {cfg.loki_pca.name}: {loki_basis}; d={cfg.d}, k={cfg.k}, l={cfg.loki_l}")
     info = machine.machine_info()
     log(f"machine   {info['cpu_model']}, {info['cores_usable']} cores, {fmt_bytes(info['mem_total_bytes'] or 0)} RAM; "
         f"{cfg.threads} threads")
@@ -744,6 +785,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
         "model": {"path": str(path), "chosen": how, **shape.as_dict()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "modes": {m: asdict(MODES[m]) for m in cfg.modes},
+        "loki_basis": loki_basis,
         "synthetic_kv_scale": scale_how,
         "memory_estimate": {str(d): e for d, e in estimates.items()},
         "transfer_model": "weights touched + SPEC.md KV reads per layer and KV head, n = S + 1 (bench/transfer_model.py)",

@@ -1,12 +1,14 @@
-"""Time ggml_sparq_attn against dense ggml_flash_attn_ext on the CPU, one decode step (batch 1).
+"""Time ggml_sparq_attn and ggml_loki_attn against dense ggml_flash_attn_ext on the CPU, one decode
+step (batch 1).
 
-Defaults: 32 query heads = 32 KV heads, D = 128, f16 cache, r = 16, k = 128, l = 32, 2 threads,
-n_kv = 1k..32k. Each graph holds L layers with their own cache (like a model's attention layers),
+Defaults: 32 query heads = 32 KV heads, D = 128, f16 cache, SparQ r = 16, k = 128, l = 32, Loki d = 32,
+k = 128, l = 0, 2 threads, n_kv = 1k..32k. Each graph holds L layers with their own cache (like a model's attention layers),
 so that the data read per step exceeds the last-level cache wherever the memory budget allows;
 the time per layer is the median over repeats of (graph time / L).
 
 Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16), per head:
-dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D. The machine's read bandwidth is measured with a small
+dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
+the first d elements of each K row, which the Loki op gets already rotated). The machine's read bandwidth is measured with a small
 multi-threaded C loop (numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with
 SPARQ_CPP_LIB_DIR pointing at a patched build).
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from sparq_cpp.calib.files import atomic_write, check_writable
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import ggml_ops as go
 
@@ -100,20 +103,27 @@ def bytes_sparq(n, D, n_head_kv, r, k, ts=2):
     return n_head_kv * (n * r + 2 * min(k, n) * D + 4 * D) * ts
 
 
+def bytes_loki(n, D, n_head_kv, d, k, ts=2):
+    return n_head_kv * (n * d + 2 * min(k, n) * D + 2 * D) * ts
+
+
 def _layers(n_kv, n_head_kv, D, budget):
     per_layer = 3 * n_kv * n_head_kv * D * 2  # k, v, kt f16
     return int(max(2, min(16, budget // per_layer)))
 
 
-def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0):
-    """(median, min) seconds per layer for sparq and for flash attention, and the number of layers."""
+def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0,
+                loki_d=None, loki_l=0):
+    """{"sparq"|"dense"|"loki": (median, min) seconds per layer} and the number of layers; Loki (on the
+    same K/V, standing in for the rotated cache: the op's cost does not depend on the basis) only with
+    loki_d."""
     rng = np.random.default_rng(seed)
     L = _layers(n_kv, n_head_kv, D, budget)
     scale = 1.0 / np.sqrt(D)
     mask = np.ones((1, n_kv), dtype=bool)
     pos = np.arange(n_kv, dtype=np.int32)
     res = {}
-    with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd:
+    with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd, go.Graph(n_tensors=32 * L) as gl:
         for _ in range(L):
             q = rng.standard_normal((1, n_head, D), dtype=np.float32)
             kk = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
@@ -130,7 +140,13 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
             qd = go.q_tensor(gd, q)
             md = go.mask_tensor(gd, mask)
             gd.output(gd.flash_attn_ext(qd, cache.k, cache.v, md, scale), q.shape)
-        for name, g in (("sparq", gs), ("dense", gd)):
+            if loki_d:
+                ql = go.q_tensor(gl, q)
+                ml = go.mask_tensor(gl, mask)
+                pl = gl.tensor(pos, "i32")
+                gl.output(gl.loki_attn(ql, cache.k, cache.v, ml, pl, scale, loki_d, k, loki_l), q.shape)
+        graphs = [("sparq", gs), ("dense", gd)] + ([("loki", gl)] if loki_d else [])
+        for name, g in graphs:
             g.build(n_threads)
             g.compute(n_threads)  # warm-up
             ts = []
@@ -139,7 +155,7 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
                 g.compute(n_threads)
                 ts.append((time.perf_counter() - t0) / L)
             res[name] = (statistics.median(ts), min(ts))
-    return res["sparq"], res["dense"], L
+    return res, L
 
 
 @click.command()
@@ -150,34 +166,52 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
 @click.option("-r", "r", default=16, show_default=True)
 @click.option("-k", "k", default=128, show_default=True)
 @click.option("-l", "l", default=32, show_default=True)
+@click.option("--loki-d", default=32, show_default=True, help="Loki: components used for ranking (0: no Loki)")
+@click.option("--loki-l", default=0, show_default=True, help="Loki: most recent positions always kept")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reps", default=7, show_default=True)
 @click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(n_kvs, n_head, n_head_kv, D, r, k, l, threads, reps, mem_budget_gb, json_out):
+def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, json_out):
     if not go.has_sparq_attn():
         raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
+    if loki_d and not go.has_loki_attn():
+        raise SparqError(f"ggml_loki_attn is missing from {go.lib_dir()}: build the patched ggml (or --loki-d 0)")
+    if json_out:
+        check_writable(json_out)  # now, not after the long run
     bw, how = measure_bandwidth(threads)
     click.echo(f"read bandwidth: {bw:.1f} GB/s ({how})")
-    click.echo("times are per layer: median of the repeats (min in brackets); GB/s and speedup from the medians")
-    click.echo(f"{'n_kv':>6} {'L':>3} {'dense ms':>17} {'sparq ms':>15} {'speedup':>8} {'dense GB/s':>10} "
-               f"{'sparq GB/s':>10} {'sparq %bw':>9} {'MB dense':>9} {'MB sparq':>9}")
+    click.echo("times are per layer: median of the repeats (min in brackets); speedup over dense and %bw "
+               "(achieved GB/s / read bandwidth) from the medians")
+    methods = ["sparq"] + (["loki"] if loki_d else [])
+    head = f"{'n_kv':>6} {'L':>3} {'dense ms':>17}"
+    for m in methods:
+        head += f" {m + ' ms':>15} {'speedup':>8} {'%bw':>5} {'MB':>7}"
+    click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10}")
     rows = []
     for n in [int(x) for x in n_kvs.split(",")]:
-        (ts, ts_min), (td, td_min), L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps,
-                                                    int(mem_budget_gb * 2**30))
-        bd, bs = bytes_dense(n, D, n_head_kv), bytes_sparq(n, D, n_head_kv, r, k)
-        row = dict(n_kv=n, layers=L, dense_s=td, sparq_s=ts, dense_min_s=td_min, sparq_min_s=ts_min,
-                   speedup=td / ts, dense_bytes=bd, sparq_bytes=bs,
-                   dense_gbs=bd / td / 1e9, sparq_gbs=bs / ts / 1e9, sparq_bw_frac=bs / ts / 1e9 / bw)
+        res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
+                             loki_d=loki_d or None, loki_l=loki_l)
+        td, td_min = res["dense"]
+        nbytes = {"dense": bytes_dense(n, D, n_head_kv), "sparq": bytes_sparq(n, D, n_head_kv, r, k)}
+        if loki_d:
+            nbytes["loki"] = bytes_loki(n, D, n_head_kv, loki_d, k)
+        row = dict(n_kv=n, layers=L, dense_s=td, dense_min_s=td_min, dense_bytes=nbytes["dense"],
+                   dense_gbs=nbytes["dense"] / td / 1e9)
+        line = f"{n:>6} {L:>3} {td*1e3:>8.3f} ({td_min*1e3:>6.2f})"
+        for m in methods:
+            t, t_min = res[m]
+            gbs = nbytes[m] / t / 1e9
+            row.update({f"{m}_s": t, f"{m}_min_s": t_min, f"{m}_bytes": nbytes[m], f"{m}_gbs": gbs,
+                        f"{m}_speedup": td / t, f"{m}_bw_frac": gbs / bw})
+            line += f" {t*1e3:>6.3f} ({t_min*1e3:>5.2f}) {td / t:>7.1f}x {100 * gbs / bw:>4.0f}% {nbytes[m]/1e6:>7.2f}"
+        row["speedup"], row["sparq_bw_frac"] = row["sparq_speedup"], row["sparq_bw_frac"]  # the names older JSON had
         rows.append(row)
-        click.echo(f"{n:>6} {L:>3} {td*1e3:>8.3f} ({td_min*1e3:>6.2f}) {ts*1e3:>6.3f} ({ts_min*1e3:>5.2f}) "
-                   f"{row['speedup']:>7.1f}x {row['dense_gbs']:>10.1f} {row['sparq_gbs']:>10.1f} "
-                   f"{100*row['sparq_bw_frac']:>8.0f}% {bd/1e6:>9.1f} {bs/1e6:>9.2f}")
+        click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f}")
     if json_out:
-        Path(json_out).write_text(json.dumps(dict(bandwidth_gbs=bw, bandwidth_how=how, n_head=n_head,
-                                                  n_head_kv=n_head_kv, D=D, r=r, k=k, l=l, threads=threads,
-                                                  rows=rows), indent=2))
+        doc = dict(bandwidth_gbs=bw, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
+                   loki_d=loki_d, loki_l=loki_l, threads=threads, rows=rows)
+        atomic_write(json_out, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def kv_bytes_per_head(kind: str, n: int, D: int, cache_type: str, *, r: int = 16
         kt_type = "f32" if cache_type == "f32" else "f16"
         return transfer.sparq_bytes(n, D, r, k, cache_type, kt_type)
     if kind == "loki":
-        return transfer.loki_elements(n, D, d, k) * transfer.bytes_per_element(cache_type)
+        # + the layer's basis for this head (f32 D x D), read to rotate q and the new k
+        return transfer.loki_bytes(n, D, d, k, cache_type) + D * D * 4
     raise SparqError(f"no transfer model for attention kind {kind!r}")
 
 

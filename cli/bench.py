@@ -23,6 +23,9 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--k", "k", type=int, default=128, show_default=True, help="SparQ/Loki: positions attended to.")
 @click.option("--l", "l", type=int, default=32, show_default=True, help="SparQ: most recent positions always kept.")
 @click.option("--d", "d", type=int, default=32, show_default=True, help="Loki: principal components used for ranking.")
+@click.option("--loki-l", type=int, default=0, show_default=True, help="Loki: most recent positions always kept.")
+@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
+              help="Loki: projection GGUF for --model (default: a synthetic random basis; timing only).")
 @click.option("--mean-value/--no-mean-value", default=True, show_default=True,
               help="SparQ's mean-value reallocation (the paper turns it off for GQA models).")
 @click.option("--repeats", type=int, default=7, show_default=True, help="Timed single-token steps per (S, mode).")
@@ -51,13 +54,13 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def command(model, preset, wtype, layers, depths, modes, r, k, l, d, mean_value, repeats, warmup, threads,
+def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, loki_pca, mean_value, repeats, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
             max_extra_steps, wait_quiet, interleave, progress):
     """Time ONE decoded token at depth S for each mode (median and IQR of repeated steps at a fixed
     depth), with the bytes each token reads, the machine's read bandwidth, and the speed-up bound."""
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
-                      r=r, k=k, l=l, d=d, mean_value=mean_value, repeats=repeats, warmup=warmup, fill=fill,
+                      r=r, k=k, l=l, d=d, loki_l=loki_l, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=max(1, bandwidth_mib) << 20, disturbed_frac=disturbed_frac,

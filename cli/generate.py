@@ -71,19 +71,24 @@ class _Utf8Stream:
 @click.option("--top-p", type=float, default=0.95, show_default=True)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
               help="KV cache type.")
-@click.option("--attn", type=click.Choice(["dense", "sparq"]), default=None,
-              help="Attention: dense, or sparq (the default when --r or --k is given).")
+@click.option("--attn", type=click.Choice(["dense", "sparq", "loki"]), default=None,
+              help="Attention: dense, sparq (the default when --r or --k is given) or loki (the default with --d).")
 @click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16].")
-@click.option("--k", "k", type=int, default=None, help="SparQ: positions attended per step [128].")
-@click.option("--l", "l", type=int, default=None, help="SparQ: most recent positions always kept [k/4].")
+@click.option("--d", "d", type=int, default=None, help="Loki: principal components used to rank positions [32].")
+@click.option("--k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step [128].")
+@click.option("--l", "l", type=int, default=None, help="SparQ/Loki: most recent positions always kept [SparQ k/4, Loki 0].")
 @click.option("--no-mean-value", is_flag=True,
               help="SparQ: no mean-value reallocation (the paper's choice for GQA models, e.g. Llama 3, Mistral).")
+@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
+              help="Loki: projection GGUF from `sparq-cpp calibrate` (default: the one embedded in the model).")
+@click.option("--loki-variant", type=click.Choice(["post", "pre"]), default="post", show_default=True,
+              help="Loki: basis calibrated on keys after or before RoPE.")
 def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type,
-            attn, r, k, l, no_mean_value):
+            attn, r, d, k, l, no_mean_value, loki_pca, loki_variant):
     """Generate text, streaming it, then print prompt and decode speed."""
     from sparq_cpp.llm import open_model
 
-    attention = _attention(attn, r, k, l, no_mean_value)
+    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant)
     if n_predict < 1:
         raise SparqError(f"-n must be >= 1, got {n_predict}")
     if temp < 0:
@@ -119,14 +124,30 @@ def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp,
     _report_reads(llm, summary, len(tokens) + generated)
 
 
-def _attention(attn, r, k, l, no_mean_value):
-    from sparq_cpp.attention import Dense, SparQ
+def _attention(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post"):
+    from sparq_cpp.attention import Dense, Loki, SparQ
 
-    sparq_flags = any(x is not None for x in (r, k, l)) or no_mean_value
-    if attn == "dense" and sparq_flags:
-        raise SparqError("--r/--k/--l/--no-mean-value are SparQ settings; drop them or use --attn sparq")
-    if attn == "sparq" or (attn is None and sparq_flags):
+    sparq_only = r is not None or no_mean_value
+    loki_only = d is not None or loki_pca is not None
+    shared = k is not None or l is not None
+    if attn is None:
+        if sparq_only and loki_only:
+            raise SparqError("--r/--no-mean-value are SparQ settings and --d/--loki-pca Loki ones; pick one --attn")
+        attn = "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
+    if attn == "dense" and (sparq_only or loki_only or shared):
+        raise SparqError("--r/--d/--k/--l/--no-mean-value/--loki-pca are sparse attention settings; "
+                         "drop them or use --attn sparq or --attn loki")
+    if attn == "sparq" and loki_only:
+        raise SparqError("--d/--loki-pca are Loki settings; use --attn loki")
+    if attn == "loki" and sparq_only:
+        raise SparqError("--r/--no-mean-value are SparQ settings; use --attn sparq")
+    if attn == "sparq":
         return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value)
+    if attn == "loki":
+        if loki_pca is not None and not Path(loki_pca).is_file():
+            raise SparqError(f"--loki-pca: file not found: {loki_pca}")
+        return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
+                    projection=loki_pca, variant=loki_variant)
     return Dense()
 
 

@@ -140,6 +140,7 @@ class _Lib:
         self.ggml_threadpool_free = fn(c, "ggml_threadpool_free", None, VP)
         self.ggml_cpu_init()
         self._sparq = None
+        self._loki = None
 
     @property
     def has_sparq_attn(self) -> bool:
@@ -157,6 +158,22 @@ class _Lib:
                           ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool]
             self._sparq = f
         return self._sparq
+
+    @property
+    def has_loki_attn(self) -> bool:
+        return hasattr(self.base, "ggml_loki_attn")
+
+    @property
+    def ggml_loki_attn(self):
+        if self._loki is None:
+            if not self.has_loki_attn:
+                raise SparqError(f"ggml_loki_attn is missing from {self.dir / 'libggml-base.so'}: "
+                                 "this ggml build predates the Loki patches, build the patched one")
+            f = self.base.ggml_loki_attn
+            f.restype = T_P
+            f.argtypes = [VP, T_P, T_P, T_P, T_P, T_P, ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+            self._loki = f
+        return self._loki
 
 
 _LIBS: dict[Path, _Lib] = {}
@@ -284,6 +301,9 @@ class Graph:
     def sparq_attn(self, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value):
         return self.lib.ggml_sparq_attn(self.ctx, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value)
 
+    def loki_attn(self, q, k, v, mask, pos, scale, d, top_k, n_local):
+        return self.lib.ggml_loki_attn(self.ctx, q, k, v, mask, pos, scale, d, top_k, n_local)
+
     def flash_attn_ext(self, q, k, v, mask, scale, max_bias=0.0, logit_softcap=0.0):
         return self.lib.ggml_flash_attn_ext(self.ctx, q, k, v, mask, scale, max_bias, logit_softcap)
 
@@ -391,6 +411,31 @@ def sparq_attn(q, k, v, mask, kv_pos, kq_scale, r, top_k, n_local, mean_value=Tr
         if return_values:
             return y, cache.k_values, cache.v_values
         return y
+
+
+def loki_attn(q, k, v, mask, kv_pos, kq_scale, d, top_k, n_local=0, *, kv_type="f16", n_threads=2, directory=None,
+              return_values=False):
+    """Run ggml_loki_attn once on q and k already in the Loki basis. Returns y [n_q, n_head, D] (and with
+    return_values, the decoded k, v values the op saw)."""
+    with Graph(directory=directory) as g:
+        cache = KVCache(g, k, v, kv_type, need_kt=False)
+        qt = q_tensor(g, q)
+        mt = mask_tensor(g, mask)
+        pt = g.tensor(np.ascontiguousarray(kv_pos, dtype=np.int32), "i32")
+        out = g.loki_attn(qt, cache.k, cache.v, mt, pt, kq_scale, d, top_k, n_local)
+        y = g.output(out, q.shape)
+        g.compute(n_threads)
+        y = y.copy()
+        if return_values:
+            return y, cache.k_values, cache.v_values
+        return y
+
+
+def has_loki_attn(directory: Path | None = None) -> bool:
+    try:
+        return lib(directory).has_loki_attn
+    except SparqError:
+        return False
 
 
 def flash_attn_ext(q, k, v, mask, kv_pos, kq_scale, *, kv_type="f16", n_threads=2, directory=None):

@@ -25,10 +25,16 @@ class llama_sparse_attn_params(ctypes.Structure):
         ("mean_value", ctypes.c_bool),
         ("min_n_kv", ctypes.c_int32),
         ("sparse_prompt", ctypes.c_bool),
+        ("d", ctypes.c_int32),
+        ("loki_proj", ctypes.c_char_p),
+        ("loki_pre_rope", ctypes.c_bool),
     ]
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name, _ in self._fields_}
+        out = {name: getattr(self, name) for name, _ in self._fields_}
+        if isinstance(out["loki_proj"], bytes):
+            out["loki_proj"] = out["loki_proj"].decode(errors="replace")
+        return out
 
 
 @lru_cache(maxsize=None)
@@ -47,6 +53,9 @@ def _lib():
         lib.llama_sparse_attn_strerror.argtypes = [ctypes.c_int32]
         lib.llama_sparse_attn_set_next_context.restype = None
         lib.llama_sparse_attn_set_next_context.argtypes = [ctypes.POINTER(llama_sparse_attn_params)]
+        if hasattr(lib, "llama_sparse_attn_load_projection"):
+            lib.llama_sparse_attn_load_projection.restype = ctypes.c_int32
+            lib.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
     except AttributeError as e:
         raise SparqError(f"the installed llama.cpp has no sparse attention API ({e}); "
                          "run `make setup` to build the patched one") from None

@@ -1,4 +1,4 @@
-"""User-facing attention settings: Dense() and SparQ(...), checked against a model's geometry."""
+"""User-facing attention settings: Dense(), SparQ(...) and Loki(...), checked against a model's geometry."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,4 +58,44 @@ class SparQ:
         return transfer.sparq_bytes(n_kv, head_dim, self.r, self.k, cache_type, kt_type)
 
 
-Attention = Dense | SparQ
+@dataclass(frozen=True)
+class Loki:
+    """Loki (Singhania et al., 2024): q and k rotated into the keys' principal basis (per layer and KV
+    head, from `sparq-cpp calibrate`), positions ranked with the first d components, attend to the top k
+    (the l most recent always among them; l=0 by default, as in the paper). No mean value.
+
+    projection: the projection GGUF (None = the tensors embedded in the model by `calibrate --embed`);
+    variant: the basis calibrated on keys "post" (default) or "pre" RoPE.
+    """
+
+    d: int = 32
+    k: int = 128
+    l: int = 0
+    projection: str | None = None
+    variant: str = "post"
+    min_n_kv: int = 0
+    sparse_prompt: bool = False
+
+    name = "loki"
+
+    @property
+    def local(self) -> int:
+        return self.l
+
+    def check(self, head_dim: int) -> None:
+        if not 1 <= self.d <= head_dim:
+            raise SparqError(f"d must be in 1..{head_dim} (the model's head size), got {self.d}")
+        if self.k < 1:
+            raise SparqError(f"k must be >= 1, got {self.k}")
+        if not 0 <= self.l <= self.k:
+            raise SparqError(f"l must be in 0..k ({self.k}), got {self.l}")
+        if self.variant not in ("pre", "post"):
+            raise SparqError(f"variant must be 'pre' or 'post', got {self.variant!r}")
+        if self.min_n_kv < 0:
+            raise SparqError(f"min_n_kv must be >= 0, got {self.min_n_kv}")
+
+    def reads(self, n_kv: int, head_dim: int, cache_type: str = "f16") -> float:
+        return transfer.loki_bytes(n_kv, head_dim, self.d, self.k, cache_type)
+
+
+Attention = Dense | SparQ | Loki

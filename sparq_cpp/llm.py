@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparq_cpp.attention import Dense, SparQ
+from sparq_cpp.attention import Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf
 
@@ -27,7 +27,9 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def _c_params(attention):
+def _c_params(attention, *, creation: bool = False):
+    """The C parameters for `attention`; the Loki projection path only at creation (the basis is fixed
+    for the context's life, NULL keeps it)."""
     from sparq_cpp.pyext import sparse_api
 
     p = sparse_api.default_params()
@@ -35,9 +37,36 @@ def _c_params(attention):
         p.mode = sparse_api.LLAMA_SPARSE_ATTN_SPARQ
         p.r, p.k, p.l = attention.r, attention.k, attention.local
         p.mean_value, p.min_n_kv, p.sparse_prompt = attention.mean_value, attention.min_n_kv, attention.sparse_prompt
+    elif isinstance(attention, Loki):
+        p.mode = sparse_api.LLAMA_SPARSE_ATTN_LOKI
+        p.d, p.k, p.l = attention.d, attention.k, attention.l
+        p.min_n_kv, p.sparse_prompt = attention.min_n_kv, attention.sparse_prompt
+        p.loki_pre_rope = attention.variant == "pre"
+        if creation and attention.projection is not None:
+            p.loki_proj = str(attention.projection).encode()
     else:
         p.mode = sparse_api.LLAMA_SPARSE_ATTN_DENSE
     return p
+
+
+def check_loki_projection(attention: Loki, model_path) -> None:
+    """The projection exists, is readable and was made for this very model file (its fingerprint), or
+    the model has one embedded; checked here because llama.cpp can only compare shapes and names."""
+    from sparq_cpp.pyext import sparse_api
+
+    if not sparse_api.loki_available():
+        raise SparqError("the installed llama.cpp has no Loki runtime (llama_sparse_attn_load_projection); "
+                         "run `make setup` to build the patched one")
+    from sparq_cpp.calib.projection import read_projection
+
+    if attention.projection is not None:
+        read_projection(attention.projection, model_path=model_path, variant=attention.variant)
+        return
+    try:
+        read_projection(model_path, variant=attention.variant)
+    except SparqError as e:
+        raise SparqError(f"Loki needs a projection: {model_path} has none embedded ({e}); make one with "
+                         "`sparq-cpp calibrate` and pass it (--loki-pca FILE / Loki(projection=FILE))") from None
 
 
 def _llama_class():
@@ -62,12 +91,14 @@ def _llama_class():
             kwargs.setdefault("verbose", False)
             kwargs.update(type_k=CACHE_TYPES[cache_type], type_v=CACHE_TYPES[cache_type])
             sparse = not isinstance(attention, Dense)
+            if isinstance(attention, Loki):
+                check_loki_projection(attention, model_path)
             if sparse:
                 if kwargs.get("flash_attn") is False:
                     raise SparqError(f"{attention.name} needs flash attention (V stored row-major); "
                                      "do not pass flash_attn=False")
                 kwargs["flash_attn"] = True
-                sparse_api.set_next_context(_c_params(attention))
+                sparse_api.set_next_context(_c_params(attention, creation=True))
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except (ValueError, RuntimeError) as e:

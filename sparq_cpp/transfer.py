@@ -50,6 +50,15 @@ def sparq_bytes(n: int, D: int, r: int, k: int, cache_type: str = "f16", kt_type
     return n * r * bytes_per_element(kt_type) + (2 * k * D + 2 * D) * bytes_per_element(cache_type) + 2 * D * 4
 
 
+def loki_bytes(n: int, D: int, d: int, k: int, cache_type: str = "f16") -> float:
+    """Loki in llama.cpp's real types: the n*d ranking reads are a prefix of each cached K row, read in
+    whole blocks for a quantized cache (d rounded up to 32 for q8_0)."""
+    k = min(k, n)
+    blk = 32 if cache_type in ("q8_0", "q4_0") else 1
+    d_read = min(D, -(-d // blk) * blk)
+    return (n * d_read + 2 * k * D + 2 * D) * bytes_per_element(cache_type)
+
+
 def dense_bytes(n: int, D: int, cache_type: str = "f16") -> float:
     return dense_elements(n, D) * bytes_per_element(cache_type)
 

@@ -22,6 +22,7 @@ from sparq_cpp.modelfactory import resolve_geometry, write_model  # noqa: E402
 from sparq_cpp.pyext import sparse_api  # noqa: E402
 
 HAS_SPARSE = sparse_api.available()
+HAS_LOKI = sparse_api.loki_available()
 needs_sparse = pytest.mark.skipif(not HAS_SPARSE, reason="the installed llama.cpp has no sparse attention API")
 
 
@@ -198,7 +199,8 @@ def test_transfer_model_bytes_by_hand():
     q8 = token_bytes(shape, "dense", S, "q8_0")
     assert q8["kv"] == 32 * 32 * (2 * 4096 * 128 + 2 * 128) * 34 / 32
     loki = token_bytes(shape, "loki", S, "f16", d=32, k=128)
-    assert loki["kv"] == 32 * 32 * (4096 * 32 + 2 * 128 * 128 + 2 * 128) * 2
+    # + each head's f32 basis, read to rotate q and the new k
+    assert loki["kv"] == 32 * 32 * ((4096 * 32 + 2 * 128 * 128 + 2 * 128) * 2 + 128 * 128 * 4)
     assert dense["total"] == dense["weights"] + dense["kv"]
     # k >= n: SparQ reads every row
     assert token_bytes(shape, "sparq", 63, "f16", r=16, k=128)["kv"] == 32 * 32 * (64 * 16 * 2 + (2 * 64 * 128 + 256) * 2 + 1024)
@@ -269,8 +271,10 @@ def test_bad_input_errors(models, tmp_path):
         e2e.validate(BenchConfig(**{**base, "k": 8, "l": 9}))
     with pytest.raises(SparqError, match="--fill"):
         e2e.validate(BenchConfig(**{**base, "fill": "magic"}))
-    with pytest.raises(SparqError, match="loki"):
-        e2e.validate(BenchConfig(**{**base, "modes": ["loki"]}))
+    with pytest.raises(SparqError, match="--loki-l"):
+        e2e.validate(BenchConfig(**{**base, "k": 8, "l": 2, "loki_l": 9}))
+    with pytest.raises(SparqError, match="--loki-pca: file not found"):
+        e2e.validate(BenchConfig(**{**base, "loki_pca": tmp_path / "missing.gguf"}))
     with pytest.raises(SparqError, match="model file not found"):
         e2e.run(BenchConfig(**{**base, "model": tmp_path / "missing.gguf"}), log=lambda s: None)
 
@@ -301,9 +305,9 @@ def test_cli_bad_input_one_line_exit_2(models, tmp_path):
 # ---- a tiny full run ---------------------------------------------------------------------
 
 def test_tiny_bench_writes_json_and_png(models, tmp_path):
-    modes = ["dense-fa", "dense-nofa"] + (["sparq"] if HAS_SPARSE else [])
+    modes = ["dense-fa", "dense-nofa"] + (["sparq"] if HAS_SPARSE else []) + (["loki"] if HAS_LOKI else [])
     cfg = BenchConfig(model=models["tiny-gqa"], depths="64,256", modes=modes, threads=1, repeats=2, warmup=1,
-                      fill="both", r=8, k=32, l=8, json_path=tmp_path / "r.json", plot_path=tmp_path / "r.png",
+                      fill="both", r=8, k=32, l=8, d=16, json_path=tmp_path / "r.json", plot_path=tmp_path / "r.png",
                       bandwidth_bytes=1 << 25, progress=False)
     logs = []
     doc = e2e.run(cfg, log=logs.append)
@@ -325,6 +329,10 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
         s = summ[256, "sparq"]
         assert s["speedup"] > 0 and s["bound"] > 0 and s["baseline"] in ("dense-fa", "dense-nofa")
         assert s["fraction_of_bound"] == pytest.approx(s["speedup"] / s["bound"])
+    if HAS_LOKI:
+        assert data["loki_basis"].startswith("synthetic")
+        assert [r["attention"]["mode"] for r in data["results"] if r["mode"] == "loki"] == [2] * 4
+        assert summ[256, "loki"]["speedup"] > 0
     png = (tmp_path / "r.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.tmp"))
