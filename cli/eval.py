@@ -1,0 +1,129 @@
+"""`sparq-cpp eval`: task scores against compression ratio, dense vs SparQ/Loki (llama.cpp) and the
+baselines (reference), as a table per task, a JSON file of every sample and the paper-style plot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sparq_cpp.errors import SparqError
+
+DEFAULT_METHODS = "dense,sparq,h2o,lm-infinite"
+
+
+def _ints(text, what):
+    try:
+        out = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise SparqError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise SparqError(f"{what} must be integers >= 1, got {text!r}")
+    return out
+
+
+def _depths(text):
+    try:
+        out = tuple(float(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise SparqError(f"--depths must be comma-separated numbers in 0..1, got {text!r}") from None
+    if not out or min(out) < 0 or max(out) > 1:
+        raise SparqError(f"--depths must be numbers in 0..1, got {text!r}")
+    return out
+
+
+def _data(items):
+    from sparq_cpp.evaluation.tasks import TASKS
+
+    out = {}
+    for item in items:
+        task, eq, path = item.partition("=")
+        if not eq or not path:
+            raise SparqError(f"--data takes TASK=PATH, got {item!r}")
+        if task not in TASKS:
+            raise SparqError(f"--data: unknown task {task!r} (known: {', '.join(TASKS)})")
+        out[task] = Path(path)
+    return out
+
+
+@click.command("eval")
+@click.option("--gguf", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model (default: the built-in synthetic model; random weights, so scores are noise).")
+@click.option("--tasks", "task_list", default="bpc,repetition,needle,kv", show_default=True,
+              help="Comma-separated, from: bpc, repetition, needle, kv.")
+@click.option("--data", "data", multiple=True, metavar="TASK=PATH",
+              help="Read a task's samples from this file (formats: `sparq-cpp eval --help-formats`); "
+                   "default: generated data.")
+@click.option("--methods", default=DEFAULT_METHODS, show_default=True,
+              help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite "
+                   "(reference); METHOD@ref or METHOD@llama picks the backend.")
+@click.option("--ratios", default="1,1/2,1/4,1/8,1/16", show_default=True,
+              help="Target compression ratios (attention data read / dense, SPEC.md).")
+@click.option("--samples", type=int, default=4, show_default=True, help="bpc / repetition: samples per task.")
+@click.option("--context", type=int, default=512, show_default=True, help="bpc / repetition: context tokens.")
+@click.option("--continuation", type=int, default=64, show_default=True, help="bpc: tokens scored per sample.")
+@click.option("--max-new", type=int, default=64, show_default=True, help="repetition: most tokens generated.")
+@click.option("--lengths", default="512,1024", show_default=True, help="needle / kv: prompt lengths in tokens.")
+@click.option("--depths", default="0,0.5,1", show_default=True, help="needle / kv: depths (0 = start, 1 = end).")
+@click.option("--r", "sparq_r", type=int, default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
+@click.option("--d", "loki_d", type=int, default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
+@click.option("--mean-value/--no-mean-value", default=None,
+              help="SparQ's mean-value reallocation (default: on for MHA, off for GQA models, as in the paper).")
+@click.option("--loki-projection", type=click.Path(dir_okay=False), default=None,
+              help="Loki bases (from `sparq-cpp calibrate`); needed by loki@ref, and by loki unless embedded.")
+@click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
+              help="KV cache type (the reference does f16 and f32).")
+@click.option("--threads", type=int, default=None, help="llama.cpp threads (default: all cores).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated default data.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the config, every sample's record and the summary here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG: score vs compression per method, a panel per task.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
+def command(gguf, task_list, data, methods, ratios, samples, context, continuation, max_new, lengths, depths,
+            sparq_r, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
+            progress, help_formats):
+    """Score tasks at target compression ratios for each method: bits per character, text repetition,
+    needle in a haystack, key-value retrieval. The reference (exact top-k, H2O, LM-Infinite, and any
+    METHOD@ref) is a numpy forward pass: practical for small models only (see the README)."""
+    from sparq_cpp.evaluation import results, tasks
+    from sparq_cpp.evaluation.methods import parse_methods
+    from sparq_cpp.evaluation.runner import EvalConfig, run
+    from sparq_cpp.evaluation.sweep import parse_ratios
+
+    if help_formats:
+        click.echo(tasks.__doc__)
+        return
+    for name, v in (("--samples", samples), ("--context", context), ("--continuation", continuation),
+                    ("--max-new", max_new)):
+        if v < 1:
+            raise SparqError(f"{name} must be >= 1, got {v}")
+    if context < 2:
+        raise SparqError("--context must be at least 2 tokens")
+    task_names = [t.strip() for t in task_list.split(",") if t.strip()]
+    for t in task_names:
+        if t not in tasks.TASKS:
+            raise SparqError(f"unknown task {t!r} (known: {', '.join(tasks.TASKS)})")
+    if gguf is None:
+        from sparq_cpp.modelfactory import default_model_path
+
+        click.echo("no --gguf given: using the built-in synthetic model (random weights, so scores are noise)",
+                   err=True)
+        gguf = default_model_path()
+    cfg = EvalConfig(
+        model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
+        task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new,
+                                  lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
+        data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, loki_d=loki_d,
+        mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress)
+    doc = run(cfg, log=lambda s: click.echo(s, err=True))
+    doc["summary"] = results.summarize(doc["records"])
+    doc["grid"] = results.grid(doc["records"])
+    click.echo(results.format_table(doc))
+    if json_path:
+        click.echo(f"json: {results.write_json(doc, json_path)}", err=True)
+    if plot_path:
+        if doc["records"]:
+            click.echo(f"plot: {results.plot(doc, plot_path)}", err=True)
+        else:
+            click.echo("plot: nothing to plot (no runs)", err=True)

@@ -1,0 +1,223 @@
+"""Methods and the two backends that run them: llama.cpp (dense, sparq, loki) and the numpy/Numba
+reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite).
+
+A backend session holds one model context and runs one sample at a time:
+``prefill(tokens)`` puts the prompt but its last token into the cache with dense attention;
+``use(method, params)`` picks the attention for what follows; ``feed(tokens)`` runs tokens through
+the model with it (several tokens: every row through the method, as decoding them one by one would)
+and returns their logits; ``rewind()`` drops everything after the prefill, so the settings of a
+sweep share one prefill. llama.cpp's sparse contexts keep multi-token prompt batches dense and
+decode sparse, so its prefill never hands it a one-token batch; the reference wraps methods in
+``DensePrompt`` for the same effect (and H2O accumulates the prompt's attention scores there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparq_cpp.errors import SparqError
+from sparq_cpp.evaluation.sweep import METHODS
+
+BACKENDS = ("llama", "ref")
+LLAMA_METHODS = ("dense", "sparq", "loki")
+DEFAULT_BACKEND = {"dense": "llama", "sparq": "llama", "loki": "llama", "exact-topk": "ref", "h2o": "ref",
+                   "lm-infinite": "ref"}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    method: str
+    backend: str
+
+    @property
+    def label(self) -> str:
+        return self.method if self.backend == DEFAULT_BACKEND[self.method] else f"{self.method}@{self.backend}"
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """'dense,sparq,h2o,sparq@ref' -> specs; llama.cpp runs dense/sparq/loki, the reference the rest."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        name, _, backend = part.partition("@")
+        if name not in METHODS:
+            raise SparqError(f"unknown method {name!r} (known: {', '.join(METHODS)}; "
+                             f"add @ref or @llama to pick the backend)")
+        backend = backend or DEFAULT_BACKEND[name]
+        if backend not in BACKENDS:
+            raise SparqError(f"unknown backend {backend!r} in {part!r} (known: llama, ref)")
+        if backend == "llama" and name not in LLAMA_METHODS:
+            raise SparqError(f"{name} runs only on the reference (write {name} or {name}@ref)")
+        spec = MethodSpec(name, backend)
+        if spec not in out:
+            out.append(spec)
+    if not out:
+        raise SparqError("no methods given")
+    return out
+
+
+def _chunks(n: int, size: int) -> list[int]:
+    """Batch sizes covering n tokens, each <= size and none of exactly 1 token unless n == 1
+    (llama.cpp would run a one-token batch through the sparse method)."""
+    sizes = [size] * (n // size) + ([n % size] if n % size else [])
+    if len(sizes) > 1 and sizes[-1] == 1:
+        sizes[-2] -= 1
+        sizes[-1] = 2
+    return sizes
+
+
+class LlamaSession:
+    """One llama.cpp context: a dense one for dense, a SparQ (or Loki) one for the sparse settings."""
+
+    def __init__(self, model_path, method: str, *, n_ctx: int, cache_type: str, threads: int | None,
+                 mean_value: bool, loki_projection=None, logits_all: bool = False):
+        from sparq_cpp.attention import Dense, SparQ
+        from sparq_cpp.llm import open_model
+
+        self.method, self.mean_value, self.loki_projection = method, mean_value, loki_projection
+        if method == "dense":
+            first = Dense()
+        elif method == "sparq":
+            first = SparQ(r=1, k=1, mean_value=mean_value)
+        elif method == "loki":
+            first = self._loki(d=1, k=1)
+        else:
+            raise SparqError(f"{method} does not run on llama.cpp")
+        self.n_batch = min(512, n_ctx)
+        self.llm, self.summary = open_model(model_path, attention=first, n_ctx=n_ctx, n_threads=threads,
+                                            cache_type=cache_type, n_batch=self.n_batch, logits_all=logits_all)
+        self.n_vocab = self.llm.n_vocab()
+        self.n_prefill = 0
+
+    def _loki(self, **kw):
+        from sparq_cpp import attention
+
+        Loki = getattr(attention, "Loki", None)
+        if Loki is None:
+            raise SparqError("this sparq_cpp has no Loki configuration for llama.cpp")
+        return Loki(projection=self.loki_projection, **kw)
+
+    def _attention(self, params: dict, sparse_rows: bool):
+        from sparq_cpp.attention import Dense, SparQ
+
+        if self.method == "dense":
+            return Dense()
+        if self.method == "sparq":
+            return SparQ(r=params["r"], k=params["k"], l=params["l"], mean_value=self.mean_value,
+                         sparse_prompt=sparse_rows)
+        return self._loki(d=params["d"], k=params["k"], l=params.get("l", 0), sparse_prompt=sparse_rows)
+
+    def _last_logits(self, rows: int) -> np.ndarray:
+        ctx = self.llm._ctx
+        return np.stack([np.ctypeslib.as_array(ctx.get_logits_ith(i - rows), shape=(self.n_vocab,)).copy()
+                         for i in range(rows)]) if rows else np.empty((0, self.n_vocab), np.float32)
+
+    def prefill(self, tokens):
+        self.llm.n_tokens = 0  # the next eval removes every cell from here on
+        if self.method != "dense":  # multi-token batches dense (sparse_prompt off)
+            self.llm.set_attention(self._attention({"r": 1, "d": 1, "k": 1, "l": 0}, sparse_rows=False))
+        pos = 0
+        for size in _chunks(len(tokens), self.n_batch):
+            self.llm.eval(tokens[pos: pos + size])
+            pos += size
+        self.n_prefill = len(tokens)
+
+    def rewind(self):
+        self.llm.n_tokens = self.n_prefill
+
+    def use(self, params: dict):
+        if self.method != "dense":
+            self.llm.set_attention(self._attention(params, sparse_rows=True))
+
+    def feed(self, tokens) -> np.ndarray:
+        if len(tokens) > 1 and not self.llm._logits_all:
+            raise SparqError("internal: feeding several tokens needs a context with logits_all")
+        out = []
+        for pos in range(0, len(tokens), self.n_batch):
+            batch = list(tokens[pos: pos + self.n_batch])
+            self.llm.eval(batch)
+            out.append(self._last_logits(len(batch)))
+        return np.concatenate(out)
+
+    def close(self):
+        self.llm.close()
+
+
+class RefSession:
+    """The reference forward pass; one prefill per sample serves every method and setting."""
+
+    def __init__(self, model, *, cache_type: str, loki_projection=None, model_path=None):
+        from sparq_cpp.reference.baselines import DensePrompt, H2OAttention
+        from sparq_cpp.reference.forward import LlamaReference
+
+        self._prompt = DensePrompt(H2OAttention(1))  # dense rows; records the prompt's H2O scores
+        self.ref = LlamaReference(model, attention=self._prompt, cache_type=cache_type)
+        self.loki_projection, self.model_path = loki_projection, model_path
+        self._loki_bases = None
+        self.n_prefill = 0
+
+    def prefill(self, tokens):
+        self.ref.reset()
+        self._prompt.reset()
+        self.ref.attention = self._prompt
+        if len(tokens):
+            self.ref.forward(list(tokens))
+        self.n_prefill = self.ref.n_cells
+
+    def rewind(self):
+        self.ref.n_cells = self.n_prefill  # later cells are overwritten; earlier ones never change
+
+    def _bases(self):
+        if self._loki_bases is None:
+            if self.loki_projection is None:
+                raise SparqError("loki on the reference needs a projection: pass --loki-projection FILE "
+                                 "(made by `sparq-cpp calibrate`)")
+            from sparq_cpp.calib.projection import read_projection
+
+            self._loki_bases = read_projection(self.loki_projection, model_path=self.model_path)
+        return self._loki_bases
+
+    def make(self, method: str, params: dict):
+        from sparq_cpp.reference.attention import DenseAttention, ExactTopKAttention, SparQAttention
+        from sparq_cpp.reference.baselines import DensePrompt, LMInfiniteAttention
+        from sparq_cpp.reference.loki import LokiAttention
+
+        if method == "dense":
+            return DenseAttention()
+        if method == "sparq":
+            att = SparQAttention(params["r"], params["k"], params["l"], params.get("mean_value", True))
+        elif method == "exact-topk":
+            att = ExactTopKAttention(params["k"])
+        elif method == "lm-infinite":
+            att = LMInfiniteAttention(params["k"])
+        elif method == "loki":
+            att = LokiAttention(self._bases(), params["d"], params["k"], params.get("l", 0))
+        elif method == "h2o":
+            att = self._prompt.method.with_budget(params["k"], params["l"])  # the prompt's scores
+        else:
+            raise SparqError(f"unknown method {method!r}")
+        wrapped = DensePrompt(att)
+        wrapped.prompt = False
+        return wrapped
+
+    def use_attention(self, attention):
+        self.ref.attention = attention
+
+    def feed(self, tokens) -> np.ndarray:
+        return self.ref.forward(list(tokens))
+
+    def close(self):
+        pass
+
+
+def mean_value_default(n_head: int, n_head_kv: int, flag: bool | None) -> bool:
+    """The paper turns SparQ's mean-value reallocation off for GQA models; on for MHA."""
+    return (n_head == n_head_kv) if flag is None else bool(flag)
+
+
+def with_mean_value(params: dict, mean_value: bool) -> dict:
+    return dict(params, mean_value=mean_value) if "r" in params else params
+

@@ -1,0 +1,138 @@
+"""Results of an evaluation: a summary per (task, method, target), text tables, the JSON document
+(every sample) and the SparQ paper's style of figure (score vs compression, one line per method).
+Files are written atomically (a temporary file in the same folder, then renamed)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from sparq_cpp.evaluation.tasks import HIGHER_IS_BETTER, SCORE_NAMES
+
+
+def summarize(records) -> list[dict]:
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["method"], r["target"])].append(r)
+    rows = []
+    for (task, method, target), rs in groups.items():
+        scores = [r["score"] for r in rs]
+        n = len(scores)
+        mean = sum(scores) / n
+        sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.0
+        ks = sorted({r["params"].get("k") for r in rs if "k" in r["params"]})
+        rows.append({"task": task, "method": method, "target": target, "n": n, "score": mean,
+                     "stderr": sd / math.sqrt(n) if n > 1 else 0.0,
+                     "ratio": sum(r["ratio"] for r in rs) / n,
+                     "k": (ks[0] if len(ks) == 1 else f"{ks[0]}-{ks[-1]}") if ks else None,
+                     "params": rs[0]["params"], "seconds": sum(r["seconds"] for r in rs)})
+    rows.sort(key=lambda x: (x["task"], x["method"] != "dense", x["method"], -x["target"]))
+    return rows
+
+
+def grid(records) -> list[dict]:
+    """needle / kv: mean score per (method, target, length, depth), the paper's heatmap cells."""
+    groups = defaultdict(list)
+    for r in records:
+        if "depth" in r.get("meta", {}):
+            groups[(r["task"], r["method"], r["target"], r["meta"]["length"], r["meta"]["depth"])].append(r)
+    return [{"task": t, "method": m, "target": tg, "length": ln, "depth": dp, "n": len(rs),
+             "score": sum(r["score"] for r in rs) / len(rs), "ratio": sum(r["ratio"] for r in rs) / len(rs)}
+            for (t, m, tg, ln, dp), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2],
+                                                                                   kv[0][3], kv[0][4]))]
+
+
+def _fmt_target(t: float) -> str:
+    return "1" if t >= 1 else f"1/{round(1 / t)}" if abs(1 / t - round(1 / t)) < 1e-9 else f"{t:g}"
+
+
+def format_table(doc: dict) -> str:
+    """One table per task: a row per method, a column per target (score and achieved ratio)."""
+    rows = doc.get("summary") or summarize(doc["records"])
+    out = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        trs = [r for r in rows if r["task"] == task]
+        targets = sorted({r["target"] for r in trs}, reverse=True)
+        better = "higher" if HIGHER_IS_BETTER[task] else "lower"
+        out.append(f"{task}: {SCORE_NAMES[task]} ({better} is better); cell = mean score (achieved ratio), n samples")
+        head = ["method"] + [_fmt_target(t) for t in targets]
+        table = [head]
+        for method in dict.fromkeys(r["method"] for r in trs):
+            cells = [method]
+            for t in targets:
+                hit = [r for r in trs if r["method"] == method and r["target"] == t]
+                cells.append(f"{hit[0]['score']:.4g} ({hit[0]['ratio']:.3f}) n={hit[0]['n']}" if hit else "-")
+            table.append(cells)
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        for i, row in enumerate(table):
+            out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths))
+        out.append("")
+    for s in doc.get("skipped", []):
+        out.append(f"skipped: {s['reason']}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _atomic_write(path, write) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(doc: dict, path) -> Path:
+    data = json.dumps(doc, indent=1, default=str).encode()
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def plot(doc: dict, path) -> Path:
+    """Score vs compression ratio (log2 axis, achieved ratios), a panel per task, a line per method;
+    dense is the point at 1 and a dotted line across, as in the SparQ paper's figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc.get("summary") or summarize(doc["records"])
+    task_names = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(task_names), figsize=(4.2 * len(task_names), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], task_names):
+        trs = [r for r in rows if r["task"] == task]
+        dense = [r for r in trs if r["method"].startswith("dense")]
+        for d in dense:
+            ax.axhline(d["score"], color="0.4", ls=":", lw=1)
+        for method in dict.fromkeys(r["method"] for r in trs):
+            pts = sorted((r["ratio"], r["score"], r["stderr"]) for r in trs if r["method"] == method)
+            xs, ys, es = zip(*pts)
+            line, = ax.plot(xs, ys, marker="o" if not method.startswith("dense") else "*", ms=5 if
+                            not method.startswith("dense") else 10, label=method)
+            if any(es):
+                ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)],
+                                color=line.get_color(), alpha=0.15, lw=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression ratio (attention data read / dense)")
+        ax.set_ylabel(SCORE_NAMES[task] + (" ↑" if HIGHER_IS_BETTER[task] else " ↓"))
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="best")
+    model = doc.get("model", {}).get("name", "")
+    fig.suptitle(f"{model}: score vs compression", fontsize=10)
+    fig.tight_layout()
+
+    def write(f):
+        fig.savefig(f, format="png", dpi=110)
+    try:
+        return _atomic_write(path, write)
+    finally:
+        plt.close(fig)
