@@ -29,9 +29,9 @@ def cli():
 
 
 def _register():
-    from sparq_cpp.cli import bench, calibrate, eval, generate, info, make_model
+    from sparq_cpp.cli import bench, calibrate, convert, eval, generate, info, make_model
 
-    for mod in (generate, calibrate, bench, eval, make_model, info):
+    for mod in (generate, calibrate, bench, eval, make_model, convert, info):
         cli.add_command(mod.command)
 
 

@@ -1,0 +1,287 @@
+"""`sparq-cpp convert` round trip: a torch Llama saved in the Hugging Face layout, converted to GGUF,
+gives the same logits in llama.cpp; bad input gives one clear error line. Also the committed demo
+model: it loads, writes text like its training text, and looks keys up over a long context."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparq_cpp import spm_model
+from sparq_cpp.convert import convert, permute_qk
+from sparq_cpp.errors import SparqError
+from sparq_cpp.tokenizer import build_vocab
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from sparq_cpp.train import hf  # noqa: E402  (needs torch)
+from sparq_cpp.train.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "models" / "austen.q8_0.gguf"
+N_VOCAB = 512
+
+
+def _random_model(n_head_kv: int, tied: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    """Small and random, with weights large enough that attention is peaked and RoPE matters."""
+    cfg = LlamaConfig(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=n_head_kv, max_position_embeddings=512,
+                      tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                std = 0.5 if "q_proj" in name or "k_proj" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * std / p.shape[1] ** 0.5)
+    return model.eval()
+
+
+def _llama_logits(path: Path, ids: list[int]) -> np.ndarray:
+    from sparq_cpp.llm import open_model
+
+    llm, _ = open_model(path, n_ctx=512, cache_type="f32", flash_attn=False, logits_all=True, n_threads=2)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[:len(ids)], np.float32)
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    rng = np.random.default_rng(1)
+    return [1] + [int(t) for t in rng.integers(3, N_VOCAB, 300)]
+
+
+# outtype -> bound on max |diff| / max |logit|; measured: f32 ~1e-6, f16 ~1e-3, q8_0 ~1e-2
+BOUNDS = {"f32": 1e-4, "f16": 1e-2, "q8_0": 6e-2}
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("n_head_kv,tied", [(4, False), (2, False), (2, True)], ids=["mha", "gqa", "gqa-tied"])
+def test_convert_round_trip(tmp_path, ids, n_head_kv, tied):
+    model = _random_model(n_head_kv, tied)
+    ckpt = hf.save(model, tmp_path / "ckpt")
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]))[0].numpy()
+    scale = np.abs(ref).max()
+    for outtype, bound in BOUNDS.items():
+        out = convert(ckpt, tmp_path / f"m.{outtype}.gguf", outtype)
+        err = np.abs(_llama_logits(out, ids) - ref).max() / scale
+        assert err < bound, f"{outtype}: max |diff| / max |logit| = {err:.2e}"
+
+
+def test_permutation_is_needed():
+    """Without the q/k permutation the logits differ: the round trip really tests it."""
+    w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)
+    p = permute_qk(w, 2)
+    assert not np.array_equal(p, w)
+    # head 0, pair 1 of rotate_half layout (rows 1 and 1 + 4) becomes adjacent rows 2, 3
+    assert np.array_equal(p[2], w[1]) and np.array_equal(p[3], w[5])
+
+
+def test_tokenizer_model_round_trips():
+    v = build_vocab(N_VOCAB)
+    m = spm_model.loads(spm_model.dumps(spm_model.SpmModel(v.tokens, v.scores, v.types)))
+    assert m.pieces == v.tokens and m.types == v.types and m.model_type == spm_model.BPE
+    assert np.allclose(m.scores, v.scores, rtol=1e-6)
+    assert not m.add_dummy_prefix and m.byte_fallback
+
+
+@pytest.mark.build
+def test_converted_tokenizer_matches_training_tokenizer(tmp_path):
+    """llama.cpp tokenizes with the converted vocabulary exactly as the project's SPM vocabulary."""
+    from sparq_cpp.llm import import_llama_cpp
+    from sparq_cpp.train.tokenize import Tokenizer
+
+    ckpt = hf.save(_random_model(4), tmp_path / "ckpt")
+    out = convert(ckpt, tmp_path / "m.gguf", "f32")
+    llm = import_llama_cpp().Llama(str(out), vocab_only=True, verbose=False)
+    text = "It is a truth universally acknowledged, that a single man\n\nin possession of 42 \u00e9l\u00e8ves."
+    assert llm.tokenize(text.encode(), add_bos=False) == Tokenizer(N_VOCAB).encode(text).tolist()
+    assert llm.detokenize(llm.tokenize(text.encode(), add_bos=False)).decode() == text
+
+
+# ---- training data ----------------------------------------------------------------------------
+
+@pytest.mark.build
+def test_task_sequences_are_text_llama_cpp_tokenizes_the_same():
+    """Tasks go in at paragraph boundaries, so decoding a sequence and tokenizing it again gives
+    the same ids; the spans point at the repeated passage and the values."""
+    from sparq_cpp.train.tasks import TaskBuilder, score
+    from sparq_cpp.train.tokenize import Tokenizer
+
+    tok = Tokenizer(2048)
+    paras = [p for p in AUSTEN.split("\n\n") if p]
+    books = [[tok.encode(p) for p in paras * 8]]
+    builder = TaskBuilder(books, tok.encode, tok.bos_id)
+    s = builder.sample(np.random.default_rng(0), 1024, copy=2, n_kv=3, early=(0, 0.3), late=(0.7, 1))
+    assert len(s.tokens) == 1024 and s.tokens[0] == tok.bos_id
+    assert np.array_equal(tok.encode(tok.decode(s.tokens[1:])), s.tokens[1:])
+    kinds = [k for k, _, _ in s.spans]
+    assert kinds.count("copy_repeat") == 2 and kinds.count("kv_value") == 3
+    firsts = sorted((a, e) for k, a, e in s.spans if k == "copy_first")
+    repeats = sorted((a, e) for k, a, e in s.spans if k == "copy_repeat")
+    for (a, e), (b, f) in zip(firsts, repeats):
+        assert np.array_equal(s.tokens[a:e], s.tokens[b:f]) and b > e
+    for k, a, e in s.spans:
+        if k == "kv_value":
+            assert re.fullmatch(r" (\d+|[a-z]+)", tok.decode(s.tokens[a:e]))
+    # an oracle that predicts every token scores 1 everywhere
+    oracle = np.zeros((1024, 2048), np.float32)
+    oracle[np.arange(1023), s.tokens[1:]] = 1
+    assert all(c == n for c, n in score(s, oracle).values())
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return hf.save(_random_model(2), tmp_path_factory.mktemp("good") / "ckpt")
+
+
+def _copy(ckpt: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "bad"
+    shutil.copytree(ckpt, d)
+    return d
+
+
+def _edit_config(d: Path, **changes):
+    c = json.loads((d / "config.json").read_text())
+    c.update(changes)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("breakage,message", [
+    ("no-dir", "model directory not found"),
+    ("no-config", "no config.json"),
+    ("bad-json", "invalid config.json"),
+    ("arch", "architecture GPT2LMHeadModel is not supported"),
+    ("bias", "attention_bias is not supported"),
+    ("no-weights", "no *.safetensors weights"),
+    ("no-tokenizer", "no tokenizer.model"),
+    ("tokenizer-json", "only tokenizer.json"),
+    ("bad-tokenizer", "tokenizer.model"),
+    ("shape", "config.json implies"),
+])
+def test_bad_input(tmp_path, ckpt, breakage, message):
+    d = _copy(ckpt, tmp_path)
+    if breakage == "no-dir":
+        d = tmp_path / "nowhere"
+    elif breakage == "no-config":
+        (d / "config.json").unlink()
+    elif breakage == "bad-json":
+        (d / "config.json").write_text("{not json")
+    elif breakage == "arch":
+        _edit_config(d, architectures=["GPT2LMHeadModel"])
+    elif breakage == "bias":
+        _edit_config(d, attention_bias=True)
+    elif breakage == "no-weights":
+        (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    elif breakage == "no-tokenizer":
+        (d / "tokenizer.model").unlink()
+    elif breakage == "tokenizer-json":
+        (d / "tokenizer.model").unlink()
+        (d / "tokenizer.json").write_text("{}")
+    elif breakage == "bad-tokenizer":
+        (d / "tokenizer.model").write_bytes(b"\xff\xff\xff")
+    elif breakage == "shape":
+        _edit_config(d, intermediate_size=256)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(SparqError, match=re.escape(message)):
+        convert(d, out, "f16")
+    assert not out.exists() and not list(tmp_path.glob(".out.gguf.*"))
+
+
+def test_cli_errors(tmp_path, ckpt):
+    from click.testing import CliRunner
+
+    from sparq_cpp.cli.main import _register, cli
+
+    _register()
+    r = CliRunner().invoke(cli, ["convert", str(ckpt), "--outtype", "q4_0", "-o", str(tmp_path / "x.gguf")])
+    assert r.exit_code == 2 and "error: --outtype: unknown 'q4_0'" in r.output
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "error: model directory not found" in r.output
+
+
+@pytest.mark.build
+def test_cli_converts(tmp_path, ckpt):
+    from click.testing import CliRunner
+
+    from sparq_cpp.cli.main import _register, cli
+
+    _register()
+    out = tmp_path / "m.q8_0.gguf"
+    r = CliRunner().invoke(cli, ["convert", str(ckpt), "--outtype", "q8_0", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "n_head_kv 2" in r.output and out.is_file()
+
+
+# ---- the committed demo model -----------------------------------------------------------------
+
+# Pride and Prejudice, chapter 1 (public domain): training-like text for prompts and filler.
+AUSTEN = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must "
+    "be in want of a wife.\n\nHowever little known the feelings or views of such a man may be on his "
+    "first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding "
+    "families, that he is considered the rightful property of some one or other of their daughters.\n\n"
+    "\"My dear Mr. Bennet,\" said his lady to him one day, \"have you heard that Netherfield Park is let "
+    "at last?\"\n\nMr. Bennet replied that he had not.\n\n\"But it is,\" returned she; \"for Mrs. Long has "
+    "just been here, and she told me all about it.\"\n\nMr. Bennet made no answer.\n\n\"Do you not want "
+    "to know who has taken it?\" cried his wife impatiently.\n\n\"You want to tell me, and I have no "
+    "objection to hearing it.\"\n\nThis was invitation enough.\n\n")
+
+needs_demo = pytest.mark.skipif(not DEMO.is_file(), reason=f"{DEMO.name} is not in this checkout")
+
+
+def _demo():
+    from sparq_cpp.llm import open_model
+
+    return open_model(DEMO, n_ctx=2048, n_threads=2, cache_type="f32")
+
+
+@pytest.mark.build
+@needs_demo
+def test_demo_model_writes_text_like_its_training_text():
+    from sparq_cpp.tokenizer import _WORDS
+
+    llm, summary = _demo()
+    try:
+        assert summary.head_dim == 128
+        text = llm(AUSTEN[:600], max_tokens=96, temperature=0.0)["choices"][0]["text"]
+    finally:
+        llm.close()
+    words = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
+    assert len(words) >= 20, text
+    # 64% of the words of held-out Austen text are in the tokenizer's common-word list; noise is ~0%
+    common = sum(w in set(_WORDS.split()) for w in words) / len(words)
+    assert common > 0.45, (common, text)
+    assert all(c.isprintable() or c == "\n" for c in text), text
+
+
+@pytest.mark.build
+@needs_demo
+def test_demo_model_looks_keys_up_across_1k_tokens():
+    records = [("Vorilane lives at number", " 482"), ("The password of Dekedi is", " candle"),
+               ("Piva was born in the year", " 937"), ("The favourite word of Sotama is", " anchor")]
+    facts = "".join(f"{k}{v}.\n\n" for k, v in records)
+    filler = AUSTEN * 4  # ~1.2k tokens between each fact and its question
+    llm, _ = _demo()
+    try:
+        hits = []
+        for k, v in records[::-1]:
+            prompt = AUSTEN[:300] + facts + filler + k
+            assert len(llm.tokenize(prompt.encode())) > 1200
+            hits.append(llm(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"].startswith(v))
+    finally:
+        llm.close()
+    assert sum(hits) >= 3, hits

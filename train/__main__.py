@@ -1,0 +1,96 @@
+"""`python -m sparq_cpp.train`: fetch the corpus, train the demo model, evaluate a checkpoint.
+
+    python -m sparq_cpp.train fetch                       # apt-get download r-cran-janeaustenr=1.0.0-1
+    python -m sparq_cpp.train train --out build/austen    # ~40 min on one CPU thread
+    sparq-cpp convert build/austen --outtype q8_0 --out models/austen.q8_0.gguf
+    python -m sparq_cpp.train eval --gguf models/austen.q8_0.gguf --ckpt build/austen --card models/austen.json
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+from sparq_cpp.errors import SparqError
+
+
+@click.group()
+def cli():
+    """Train sparq-cpp's small Llama demo model (needs the `train` extra: torch, safetensors)."""
+
+
+@cli.command()
+@click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
+def fetch(deb):
+    """Fetch and check the training text (Jane Austen's novels, a Debian package)."""
+    from sparq_cpp.train import corpus
+
+    novels = corpus.load_novels(deb)
+    for title, text in novels.items():
+        click.echo(f"{title}: {len(text)} characters")
+    click.echo(f"cached in {corpus.cache_dir()}")
+
+
+@cli.command()
+@click.option("--out", required=True, metavar="DIR", help="Checkpoint directory (Hugging Face layout).")
+@click.option("--n-vocab", type=int, default=2048, show_default=True)
+@click.option("--n-embd", type=int, default=256, show_default=True)
+@click.option("--n-head", type=int, default=2, show_default=True)
+@click.option("--n-head-kv", type=int, default=2, show_default=True, help="< n-head for GQA.")
+@click.option("--n-layer", type=int, default=4, show_default=True)
+@click.option("--n-ff", type=int, default=768, show_default=True)
+@click.option("--ctx", type=int, default=2048, show_default=True, help="Training sequence length.")
+@click.option("--batch", type=int, default=2, show_default=True, help="Sequences per step.")
+@click.option("--steps", type=int, default=900, show_default=True)
+@click.option("--lr", type=float, default=3e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
+@click.option("--eval-every", type=int, default=200, show_default=True)
+@click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
+def train(out, deb, **kw):
+    """Train from scratch; writes a checkpoint (with training.json) at every evaluation."""
+    from sparq_cpp.train.run import TrainArgs, train as run
+
+    if kw["n_embd"] % kw["n_head"] or kw["n_head"] % kw["n_head_kv"]:
+        raise SparqError("n-embd must divide by n-head, and n-head by n-head-kv")
+    command = "python -m sparq_cpp.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    run(TrainArgs(out=out, **kw), command=command, deb=deb)
+
+
+@cli.command("eval")
+@click.option("--gguf", "gguf_path", required=True, metavar="MODEL", help="Converted model to measure.")
+@click.option("--ckpt", default=None, metavar="DIR", help="Its checkpoint (for training.json in the card).")
+@click.option("--ctx", type=int, default=2048, show_default=True, help="Sequence length of the eval sets.")
+@click.option("--n", "n_eval", type=int, default=16, show_default=True, help="Sequences per eval set.")
+@click.option("--threads", type=int, default=1, show_default=True)
+@click.option("--card", default=None, metavar="JSON", help="Write a model card (JSON) with the results.")
+@click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
+def eval_(gguf_path, ckpt, ctx, n_eval, threads, card, deb):
+    """Validation loss and long-range task accuracy of a GGUF, through llama.cpp (dense)."""
+    import json
+
+    from sparq_cpp.train.card import measure, write_card
+
+    result = measure(gguf_path, ctx=ctx, n_eval=n_eval, threads=threads, deb=deb)
+    click.echo(json.dumps(result, indent=2))
+    if card:
+        write_card(card, gguf_path, result, ckpt)
+        click.echo(f"wrote {card}", err=True)
+
+
+def main():
+    try:
+        cli(standalone_mode=False)
+    except SparqError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
