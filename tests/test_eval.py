@@ -70,6 +70,31 @@ def test_llama_cpp_scores_equal_reference(models, preset):
     assert doc["config"]["mean_value"] is (preset == "tiny")
 
 
+@pytest.mark.skipif(not sparse_api.loki_available(), reason="the installed llama.cpp has no Loki runtime")
+def test_llama_cpp_loki_scores_equal_reference(models, tmp_path):
+    """Loki: llama.cpp (keys rotated into the basis before the cache) and the reference (rotating the cached
+    keys itself) give the same scores; an f32 cache so that both rotate the same numbers."""
+    from sparq_cpp.calib.projection import write_projection
+    from sparq_cpp.calib.run import calibrate
+    from sparq_cpp.evaluation.textgen import prose
+
+    path = models["tiny"]
+    proj = write_projection(tmp_path / "p.gguf", calibrate(path, prose(20_000, seed=9), n_tokens=2048,
+                                                            ctx_size=512, n_threads=1), path, ctx_size=512)
+    doc = run(small(path, "loki,loki@ref", loki_projection=str(proj), cache_type="f32"), log=lambda s: None)
+    recs = by_key(doc["records"])
+    llama = {k: r for k, r in recs.items() if k[4] == "llama"}
+    assert len(llama) == 2 * 2  # tasks x samples (at 1/4; ratio 1 is dense)
+    for (task, sample, method, target, _), r in llama.items():
+        o = recs[(task, sample, method, target, "ref")]
+        assert r["params"] == o["params"]
+        if task == "bpc":
+            assert abs(r["score"] - o["score"]) <= BPC_TOL, (sample, target)
+        else:
+            assert len(r["output_tokens"]) >= 8
+            assert r["output_tokens"] == o["output_tokens"], (sample, target)
+
+
 def test_sweep_hits_targets_on_the_reference(models):
     doc = run(small(models["tiny"], "sparq@ref,h2o,lm-infinite,exact-topk", tasks_=("bpc",), ratios="1/2,1/4",
                     task_cfg=dict(context=320)), log=lambda s: None)
