@@ -13,6 +13,7 @@ if not sparse_api.loki_available():
     pytest.skip("the installed llama.cpp has no Loki runtime (run `make setup`)", allow_module_level=True)
 
 from test_calibrate import calibration_text  # noqa: E402
+from test_sparq_model import open_llm, rel, tokens  # noqa: E402 (the same model helpers as SparQ's tests)
 
 from sparq_cpp import Dense, Llama, Loki, SparQ, SparqError  # noqa: E402
 from sparq_cpp.calib import calibrate, embed_projection, read_projection, write_projection  # noqa: E402
@@ -37,19 +38,6 @@ def models(tmp_path_factory):
         proj = write_projection(root / f"{preset}.loki.gguf", pca, path, ctx_size=CTX)
         out[preset] = (path, proj, pca)
     return out
-
-
-def rel(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def open_llm(path, attention, n_ctx=512, n_threads=1):
-    return Llama(path, attention, cache_type="f32", n_ctx=n_ctx, n_batch=256, n_ubatch=256,
-                 logits_all=True, n_threads=n_threads, n_threads_batch=n_threads, seed=0)
-
-
-def tokens(n, seed=0):
-    return [1] + np.random.default_rng(seed).integers(3, 2048, size=n - 1).tolist()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
