@@ -352,21 +352,39 @@ def group_estimate(shape: ModelShape, cfg: BenchConfig, depth: int, modes: list)
     return out
 
 
-def plan_groups(shape: ModelShape, cfg: BenchConfig, depth: int, budget: int) -> list:
-    """Modes whose contexts can be alive together at this depth, packed greedily in --modes order
-    (with --interleave off, or where memory allows nothing more, one mode per group). Within a
-    group the timed steps of the modes alternate, so a slow spell of the machine (or of the host
-    under a virtual machine, which no CPU counter here sees) hits them alike."""
+def plan_groups(shape: ModelShape, cfg: BenchConfig, depth: int, budget: int, baseline: str | None = None) -> list:
+    """Modes whose contexts can be alive together at this depth, packed greedily (with --interleave
+    off, or where memory allows nothing more, one mode per group). Within a group the timed steps of
+    the modes alternate (in --modes order), so a slow spell of the machine (or of the host under a
+    virtual machine, which no CPU counter here sees) hits them alike.
+
+    Speed-ups divide the baseline's time by a sparse mode's, so the two should share a window:
+    `baseline` (the faster dense baseline measured so far) is packed first, then the sparse modes,
+    then the rest in --modes order."""
     if not cfg.interleave:
         return [[m] for m in cfg.modes]
+    first = [baseline] if baseline in cfg.modes else []
+    order = first + [m for m in cfg.modes if not MODES[m].dense and m not in first] + \
+        [m for m in cfg.modes if MODES[m].dense and m not in first]
     groups, cur = [], []
-    for m in cfg.modes:
+    for m in order:
         if cur and group_estimate(shape, cfg, depth, cur + [m])["total"] > budget:
             groups.append(cur)
             cur = []
         cur.append(m)
     groups.append(cur)
-    return groups
+    return [sorted(g, key=cfg.modes.index) for g in groups]
+
+
+def faster_baseline(results: list) -> str | None:
+    """The f16 dense baseline with the lower median at the deepest depth measured so far."""
+    prim = _primary(results)
+    here = {m: r for (d, m), r in prim.items() if m in BASELINE_MODES}
+    if not here:
+        return None
+    deepest = max(prim[(d, m)]["depth"] for (d, m) in prim if m in BASELINE_MODES)
+    at = {m: r for (d, m), r in prim.items() if d == deepest and m in BASELINE_MODES}
+    return min(at, key=lambda m: at[m]["median_s"])
 
 
 def choose_layers(geo_for, cfg: BenchConfig, budget: int, max_layers: int) -> int:
@@ -725,14 +743,13 @@ def run(cfg: BenchConfig, log=print) -> dict:
             raise SparqError(f"--depths: depth {fmt_depth(depth)} does not fit this machine's memory: estimated peak "
                              f"{fmt_bytes(estimates[depth]['total'])} ({estimates[depth]['mode']}) > budget "
                              f"{fmt_bytes(budget)}; use fewer --layers or smaller --depths")
-    groups = {d: plan_groups(shape, cfg, d, budget) for d in cfg.depths}
+    first_base = next((m for m in cfg.modes if m in BASELINE_MODES), None)
     for depth in cfg.depths:
-        g = groups[depth]
+        g = plan_groups(shape, cfg, depth, budget, first_base)
         peak = max(group_estimate(shape, cfg, depth, x)["total"] for x in g)
-        estimates[depth]["groups"] = g
-        estimates[depth]["group_peak"] = peak
         log(f"          S={fmt_depth(depth):>5} timed together: {' | '.join(','.join(x) for x in g)} "
-            f"(peak {fmt_bytes(peak)})")
+            f"(peak {fmt_bytes(peak)})" + ("; the faster dense baseline so far joins the sparse modes"
+                                            if len(g) > 1 else ""))
 
     shape = ensure_model(cfg, path, to_write, log)
     loki_basis = None
@@ -769,7 +786,10 @@ def run(cfg: BenchConfig, log=print) -> dict:
     try:
         for depth in cfg.depths:
             fills = fills_at(cfg, depth)
-            for group in groups[depth]:
+            groups = plan_groups(shape, cfg, depth, budget, faster_baseline(results) or first_base)
+            estimates[depth]["groups"] = groups
+            estimates[depth]["group_peak"] = max(group_estimate(shape, cfg, depth, x)["total"] for x in groups)
+            for group in groups:
                 results += _run_group(path, shape, [MODES[m] for m in group], cfg, depth, fills, token,
                                       k_std, v_std, bar)
     finally:

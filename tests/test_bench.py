@@ -236,8 +236,17 @@ def test_memory_estimate_and_layer_choice():
     two = e2e.group_estimate(s8, cfg4, 32768, ["dense-fa", "dense-nofa"])
     assert two["weights"] == one["weights"] and two["kv_cache"] == 2 * one["kv_cache"]
     assert e2e.plan_groups(s8, cfg4, 32768, 10**12) == [cfg4.modes]
-    assert e2e.plan_groups(s8, cfg4, 32768, two["total"]) == [["dense-fa", "dense-nofa"], ["dense-q8kv", "sparq"]]
-    assert e2e.plan_groups(s8, cfg4, 32768, 0) == [[m] for m in cfg4.modes]
+    assert e2e.plan_groups(s8, cfg4, 32768, two["total"]) == [["sparq"], ["dense-fa", "dense-nofa"], ["dense-q8kv"]]
+    # the baseline given shares the sparse modes' window
+    pair = e2e.group_estimate(s8, cfg4, 32768, ["dense-nofa", "sparq"])["total"]
+    assert e2e.plan_groups(s8, cfg4, 32768, pair, "dense-nofa") == [["dense-nofa", "sparq"], ["dense-fa", "dense-q8kv"]]
+    # ... the faster of the baselines at the deepest depth measured so far
+    rec = [{"depth": d, "mode": m, "fill": "synthetic", "median_s": t} for d, m, t in
+           [(1024, "dense-fa", 1.0), (1024, "dense-nofa", 2.0), (2048, "dense-fa", 3.0), (2048, "dense-nofa", 2.5),
+            (2048, "sparq", 0.1)]]
+    assert e2e.faster_baseline(rec[:2]) == "dense-fa" and e2e.faster_baseline(rec) == "dense-nofa"
+    assert e2e.faster_baseline(rec[-1:]) is None
+    assert e2e.plan_groups(s8, cfg4, 32768, 0) == [["sparq"], ["dense-fa"], ["dense-nofa"], ["dense-q8kv"]]
     assert e2e.plan_groups(s8, BenchConfig(**{**cfg4.__dict__, "interleave": False}), 32768, 10**12) == \
         [[m] for m in cfg4.modes]
 
