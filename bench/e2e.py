@@ -789,6 +789,8 @@ def run(cfg: BenchConfig, log=print) -> dict:
             groups = plan_groups(shape, cfg, depth, budget, faster_baseline(results) or first_base)
             estimates[depth]["groups"] = groups
             estimates[depth]["group_peak"] = max(group_estimate(shape, cfg, depth, x)["total"] for x in groups)
+            if len(groups) > 1:
+                log(f"S={fmt_depth(depth)}: timing {' | '.join(','.join(x) for x in groups)}")
             for group in groups:
                 results += _run_group(path, shape, [MODES[m] for m in group], cfg, depth, fills, token,
                                       k_std, v_std, bar)
