@@ -91,7 +91,7 @@ class BenchConfig:
     loki_l: int = 0
     loki_pca: Path | None = None  # None: a synthetic basis for the model (decode time does not depend on it)
     mean_value: bool = True
-    repeats: int = 7
+    repeats: int = 15
     warmup: int = 2
     fill: str = "synthetic"
     prefill_max: int = 4096
