@@ -141,6 +141,77 @@ def test_task_sequences_are_text_llama_cpp_tokenizes_the_same():
     assert all(c == n for c, n in score(s, oracle).values())
 
 
+@pytest.mark.build
+def test_random_word_sequences_are_text_too():
+    """Random-word passages (the induction task), in text or repeated alone, also survive decode +
+    tokenize, and every repeat is the passage again."""
+    from sparq_cpp.train.tasks import TaskBuilder
+    from sparq_cpp.train.tokenize import Tokenizer
+
+    tok = Tokenizer(2048)
+    builder = TaskBuilder([[tok.encode(p) for p in AUSTEN.split("\n\n") if p] * 8], tok.encode, tok.bos_id)
+    assert len(builder.word_ids) > 200
+    rng = np.random.default_rng(0)
+    for s in (builder.sample(rng, 1024, copy=1, n_kv=2, random_words=True),
+              builder.repeated_words(rng, 1024, (100, 300))):
+        assert len(s.tokens) == 1024 and s.tokens[0] == tok.bos_id
+        assert np.array_equal(tok.encode(tok.decode(s.tokens[1:])), s.tokens[1:])
+        (a, e), = [(a, e) for k, a, e in s.spans if k == "rand_first"]
+        repeats = [(b, f) for k, b, f in s.spans if k == "rand_repeat"]
+        assert repeats and all(np.array_equal(s.tokens[b:f], s.tokens[a:a + f - b]) and b >= e for b, f in repeats)
+
+
+class _WordTokenizer:
+    """Words (with their leading space) and punctuation as tokens: enough for TaskBuilder, no llama.cpp."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.array([self.ids.setdefault(w, 300 + len(self.ids)) for w in re.findall(r" ?\w+|[^\w ]", text)],
+                        np.int32)
+
+
+@pytest.mark.parametrize("T", [129, 257, 2049])
+def test_stream_fits_every_context(T):
+    """The mixture scales with the sequence: tasks always fit (up to all random-word sequences)."""
+    from sparq_cpp.train.data import Stream
+    from sparq_cpp.train.tasks import TaskBuilder
+
+    rng = np.random.default_rng(0)
+    books = [[rng.integers(300, 2000, int(n)).astype(np.int32) for n in rng.integers(5, 120, 400)]]
+    builder = TaskBuilder(books, _WordTokenizer().encode)
+    for p_rand in (0.0, 0.5, 1.0):
+        stream = Stream(builder, T, seed=1, p_rand=p_rand)
+        kinds = {k for _ in range(100) for k, _, _ in stream.next().spans}
+        assert ("rand_repeat" in kinds) == (p_rand > 0) and ("copy_repeat" in kinds) == (p_rand < 1)
+    with pytest.raises(SparqError, match="random-word"):
+        Stream(builder, T, seed=1, p_rand=1.5)
+
+
+def test_warm_start_keeps_geometry_and_pools_kv_heads(tmp_path):
+    """--init keeps the checkpoint's geometry, refuses flags that disagree, and a smaller
+    --n-head-kv mean-pools the KV heads that each new KV head's query heads used."""
+    from sparq_cpp.train.run import TrainArgs, _warm_start, geometry
+
+    src = _random_model(4)
+    path = str(hf.save(src, tmp_path / "ckpt"))
+    flags = dict.fromkeys(["n_vocab", "n_embd", "n_head", "n_head_kv", "n_layer", "n_ff"])
+    g = geometry(flags, path)
+    assert g == {"n_vocab": N_VOCAB, "n_embd": 64, "n_head": 4, "n_head_kv": 4, "n_layer": 2, "n_ff": 128}
+    with pytest.raises(SparqError, match="--n-embd 32 disagrees"):
+        geometry({**flags, "n_embd": 32}, path)
+    with pytest.raises(SparqError, match="--n-head-kv 3 disagrees"):
+        geometry({**flags, "n_head_kv": 3}, path)
+    g = geometry({**flags, "n_head_kv": 2}, path)
+    model, init = _warm_start(TrainArgs(out=str(tmp_path / "out"), init=path, ctx=64, **g))
+    assert init["kv_heads_mean_pooled_from"] == 4 and model.config.num_key_value_heads == 2
+    old = src.model.layers[0].self_attn.k_proj.weight.detach().view(4, 16, 64)
+    new = model.model.layers[0].self_attn.k_proj.weight.detach().view(2, 16, 64)
+    assert torch.allclose(new[1], (old[2] + old[3]) / 2)
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, src.model.layers[0].self_attn.q_proj.weight)
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """`python -m sparq_cpp.train`: fetch the corpus, train the demo model, evaluate a checkpoint.
 
     python -m sparq_cpp.train fetch                       # apt-get download r-cran-janeaustenr=1.0.0-1
-    python -m sparq_cpp.train train --out build/austen    # ~40 min on one CPU thread
+    python -m sparq_cpp.train train --out build/austen    # from scratch; see models/README.md for the recipe
     sparq-cpp convert build/austen --outtype q8_0 --out models/austen.q8_0.gguf
     python -m sparq_cpp.train eval --gguf models/austen.q8_0.gguf --ckpt build/austen --card models/austen.json
 """
@@ -34,28 +34,34 @@ def fetch(deb):
 
 @cli.command()
 @click.option("--out", required=True, metavar="DIR", help="Checkpoint directory (Hugging Face layout).")
-@click.option("--n-vocab", type=int, default=2048, show_default=True)
-@click.option("--n-embd", type=int, default=256, show_default=True)
-@click.option("--n-head", type=int, default=2, show_default=True)
-@click.option("--n-head-kv", type=int, default=2, show_default=True, help="< n-head for GQA.")
-@click.option("--n-layer", type=int, default=4, show_default=True)
-@click.option("--n-ff", type=int, default=768, show_default=True)
+@click.option("--init", default=None, metavar="DIR",
+              help="Warm-start from this checkpoint; its geometry is kept (the flags below must agree), "
+                   "except that a smaller --n-head-kv mean-pools its KV heads (GQA uptraining).")
+@click.option("--n-vocab", type=int, default=None, help="[default: 2048]")
+@click.option("--n-embd", type=int, default=None, help="[default: 256]")
+@click.option("--n-head", type=int, default=None, help="[default: 2]")
+@click.option("--n-head-kv", type=int, default=None, help="< n-head for GQA. [default: 2]")
+@click.option("--n-layer", type=int, default=None, help="[default: 4]")
+@click.option("--n-ff", type=int, default=None, help="[default: 768]")
 @click.option("--ctx", type=int, default=2048, show_default=True, help="Training sequence length.")
 @click.option("--batch", type=int, default=2, show_default=True, help="Sequences per step.")
 @click.option("--steps", type=int, default=900, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True)
+@click.option("--p-random", "p_rand", type=float, default=0.0, show_default=True,
+              help="Fraction of sequences that are a passage of random words, repeated (induction training).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
 @click.option("--eval-every", type=int, default=200, show_default=True)
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
-def train(out, deb, **kw):
-    """Train from scratch; writes a checkpoint (with training.json) at every evaluation."""
-    from sparq_cpp.train.run import TrainArgs, train as run
+def train(out, deb, init, **kw):
+    """Train from scratch or from --init; writes a checkpoint (with training.json) at every evaluation."""
+    from sparq_cpp.train.run import GEOMETRY, TrainArgs, geometry, train as run
 
+    kw.update(geometry({k: kw.pop(k) for k in GEOMETRY}, init))
     if kw["n_embd"] % kw["n_head"] or kw["n_head"] % kw["n_head_kv"]:
         raise SparqError("n-embd must divide by n-head, and n-head by n-head-kv")
     command = "python -m sparq_cpp.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    run(TrainArgs(out=out, **kw), command=command, deb=deb)
+    run(TrainArgs(out=out, init=init, **kw), command=command, deb=deb)
 
 
 @cli.command("eval")

@@ -41,5 +41,6 @@ def write_card(path, gguf_path, result: dict, ckpt=None) -> None:
     if ckpt is not None:
         training = json.loads((Path(ckpt) / "training.json").read_text())
         card.update(training_command=training["command"], training_args=training["args"],
-                    n_params=training["n_params"], training_history=training["history"])
+                    n_params=training["n_params"], training_history=training["history"],
+                    training_init=training.get("init"))
     Path(path).write_text(json.dumps(card, indent=2) + "\n")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparq_cpp.errors import SparqError
 from sparq_cpp.train import corpus
 from sparq_cpp.tokenizer import BOS_ID
 from sparq_cpp.train.tasks import NL, Sample, TaskBuilder
@@ -42,40 +43,52 @@ def tokenized_books(tok: Tokenizer, deb=None) -> tuple[list[list[np.ndarray]], l
 
 
 class Stream:
-    """Random training sequences, text with tasks put in. In p_long of them one long passage
-    (T/8 to 5T/16 tokens) appears twice; in the others 1..max_copy passages (32-384 tokens, at most
-    half the sequence in all) do; p_kv of all sequences also carry 2..max_kv key-value records.
-    First parts go anywhere in the first half, second parts after. Repeats make up ~20% of the
-    tokens: enough that predicting them by look-up pays off early (a first run with one short
-    passage in 70% of sequences, ~3% of the tokens, had learned no copying after 2.5M tokens)."""
+    """Random training sequences. p_rand of them are one passage of random words (T/64 to T/2
+    tokens, log-uniform) repeated to the end: pure induction training, nothing else predicts the
+    repeats. The others are text with tasks put in: in p_long of them one long passage (T/8 to
+    5T/16 tokens) appears twice; in the others 1..max_copy passages (up to 32-384 tokens, at most
+    half the sequence in all) do; p_kv of them also carry 2..max_kv key-value records, as many as
+    fit in what the copies leave of 3/4 of the sequence. First parts go anywhere in the first half,
+    second parts after. At T = 2048 repeats make up ~20% of those tokens (a first recipe with one
+    short passage in 70% of sequences, ~3% of the tokens, learned no copying after 2.5M tokens)."""
+
+    KV_ROOM = 48  # tokens a key-value record takes, both mentions with separators (at most ~44)
 
     def __init__(self, builder: TaskBuilder, T: int, seed: int, p_long: float = 0.35, max_copy: int = 3,
-                 p_kv: float = 0.6, max_kv: int = 8):
+                 p_kv: float = 0.6, max_kv: int = 8, p_rand: float = 0.0):
+        if not 0 <= p_rand <= 1:
+            raise SparqError(f"the fraction of random-word sequences must be in [0, 1], not {p_rand}")
         self.builder, self.T = builder, T
         self.rng = np.random.default_rng(seed)
-        self.p_long, self.max_copy, self.p_kv, self.max_kv = p_long, max_copy, p_kv, max_kv
+        self.p_long, self.max_copy, self.p_kv, self.max_kv, self.p_rand = p_long, max_copy, p_kv, max_kv, p_rand
 
     def next(self) -> Sample:
-        r = self.rng
-        n_kv = int(r.integers(2, self.max_kv + 1)) if r.random() < self.p_kv else 0
+        r, T = self.rng, self.T
+        if r.random() < self.p_rand:
+            return self.builder.repeated_words(r, T, (max(2, T // 64), T // 2))
         if r.random() < self.p_long:
-            n_copy, lo, hi = 1, self.T // 8, 5 * self.T // 16
+            n_copy, lo, hi = 1, T // 8, 5 * T // 16
         else:
             n_copy = int(r.integers(1, self.max_copy + 1))
-            lo, hi = 32, min(384, self.T // (4 * n_copy))
-        return self.builder.sample(r, self.T, copy=n_copy, n_kv=n_kv, early=(0.0, 0.5), late=(0.55, 1.0),
+            hi = min(384, T // (4 * n_copy))
+            lo = min(32, hi // 2)
+        room = (3 * T // 4 - 1 - 2 * n_copy * (hi + 2)) // self.KV_ROOM
+        n_kv = min(int(r.integers(2, self.max_kv + 1)), max(room, 0)) if r.random() < self.p_kv else 0
+        return self.builder.sample(r, T, copy=n_copy, n_kv=n_kv, early=(0.0, 0.5), late=(0.55, 1.0),
                                    copy_len=(lo, hi))
 
     def batch(self, n: int) -> np.ndarray:
         return np.stack([self.next().tokens for _ in range(n)])
 
 
-def eval_samples(builder: TaskBuilder, T: int, n: int, seed: int = 1234) -> list[Sample]:
-    """Held-out long-range task sequences: first parts in the first 20%, second parts in the last
-    15%, so every lookup spans more than 60% of T (over 1.2k tokens at T = 2048)."""
+def eval_samples(builder: TaskBuilder, T: int, n: int, seed: int = 1234, random_words: bool = False) -> list[Sample]:
+    """Held-out long-range task sequences: one copied passage of T/32..5T/64 tokens and 4 key-value
+    records (fewer below T = 512), first parts in the first 20%, second parts in the last 15%, so
+    every lookup spans more than 60% of T (over 1.2k tokens at T = 2048). random_words: the passage
+    is random words (kinds rand_*), a probe of induction on its own."""
     rng = np.random.default_rng(seed)
-    return [builder.sample(rng, T, copy=1, n_kv=4, early=(0.0, 0.2), late=(0.85, 1.0),
-                           copy_len=(64, 160)) for _ in range(n)]
+    return [builder.sample(rng, T, copy=1, n_kv=min(4, T // 128), early=(0.0, 0.2), late=(0.85, 1.0),
+                           copy_len=(T // 32, 5 * T // 64), random_words=random_words) for _ in range(n)]
 
 
 def text_windows(books: list[list[np.ndarray]], T: int, n: int, seed: int = 99) -> np.ndarray:

@@ -64,11 +64,16 @@ def save(model: LlamaForCausalLM, out, extra: dict | None = None) -> Path:
     return out
 
 
-def load(path) -> LlamaForCausalLM:
+def load_config(path) -> LlamaConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise SparqError(f"{path}: no config.json; not a checkpoint directory")
-    cfg = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def load(path) -> LlamaForCausalLM:
+    path = Path(path)
+    cfg = load_config(path)
     model = LlamaForCausalLM(cfg)
     sd = load_file(path / "model.safetensors")
     if cfg.tie_word_embeddings:

@@ -1,14 +1,17 @@
-"""The training loop: AdamW, warm-up then cosine decay, fixed steps, a checkpoint at every eval."""
+"""The training loop: AdamW, warm-up then cosine decay, fixed steps, a checkpoint at every eval.
+From scratch or warm-started from a checkpoint (--init), which is how the curriculum's phases chain."""
 from __future__ import annotations
 
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from sparq_cpp.errors import SparqError
 from sparq_cpp.train import corpus, data, evaluate, hf
 from sparq_cpp.train.model import LlamaConfig, LlamaForCausalLM
 from sparq_cpp.train.tasks import TaskBuilder
@@ -35,6 +38,50 @@ class TrainArgs:
     threads: int = 1
     eval_every: int = 200
     n_eval: int = 16
+    eval_ctx: int = 2048
+    p_rand: float = 0.0
+    init: str | None = None
+
+
+GEOMETRY = {"n_vocab": 2048, "n_embd": 256, "n_head": 2, "n_head_kv": 2, "n_layer": 4, "n_ff": 768}
+
+
+def geometry(flags: dict, init: str | None) -> dict:
+    """The model geometry: the flags given (None: not given) over the defaults, or over the geometry
+    of the checkpoint `init`, which they must agree with, except that n_head_kv may divide the
+    checkpoint's (its KV heads are then mean-pooled in groups)."""
+    if init is None:
+        return {k: GEOMETRY[k] if v is None else v for k, v in flags.items()}
+    c = hf.load_config(init)
+    ck = {"n_vocab": c.vocab_size, "n_embd": c.hidden_size, "n_head": c.num_attention_heads,
+          "n_head_kv": c.num_key_value_heads, "n_layer": c.num_hidden_layers, "n_ff": c.intermediate_size}
+    for k, v in flags.items():
+        pooled = k == "n_head_kv" and v is not None and ck[k] % v == 0
+        if v is not None and v != ck[k] and not pooled:
+            hint = " or a divisor of it, to pool KV heads" if k == "n_head_kv" else ""
+            raise SparqError(f"--{k.replace('_', '-')} {v} disagrees with the --init checkpoint {init} "
+                             f"({ck[k]}); leave the flag out to keep the checkpoint's{hint}")
+    return {k: ck[k] if flags[k] is None else flags[k] for k in ck}
+
+
+def _warm_start(args: TrainArgs) -> tuple[LlamaForCausalLM, dict]:
+    """The --init checkpoint's model, with its KV heads mean-pooled down to args.n_head_kv if that is
+    fewer (GQA "uptraining", Ainslie et al. 2023), and what training.json records about it."""
+    src = hf.load(args.init)
+    n_kv = src.config.num_key_value_heads
+    sd = src.state_dict()
+    if args.n_head_kv != n_kv:
+        g = n_kv // args.n_head_kv  # new KV head j = mean of old heads j*g .. j*g+g-1, the query heads it serves
+        for name, w in sd.items():
+            if name.endswith(("k_proj.weight", "v_proj.weight")):
+                sd[name] = w.view(args.n_head_kv, g, -1, w.shape[1]).mean(1).reshape(-1, w.shape[1])
+    model = LlamaForCausalLM(replace(src.config, num_key_value_heads=args.n_head_kv,
+                                     max_position_embeddings=args.ctx))
+    model.load_state_dict(sd)
+    parent = Path(args.init) / "training.json"
+    return model, {"checkpoint": args.init,
+                   "kv_heads_mean_pooled_from": n_kv if n_kv != args.n_head_kv else None,
+                   "training": json.loads(parent.read_text()) if parent.is_file() else None}
 
 
 def _lr(args: TrainArgs, step: int) -> float:
@@ -60,15 +107,24 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
     torch.manual_seed(args.seed)
     tok = Tokenizer(args.n_vocab)
     train_books, val_books = data.tokenized_books(tok, deb)
-    stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id), args.ctx + 1, args.seed)
-    val_windows = data.text_windows(val_books, args.ctx + 1, args.n_eval)
-    eval_set = data.eval_samples(TaskBuilder(val_books, tok.encode, tok.bos_id), args.ctx, args.n_eval)
+    stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id), args.ctx + 1, args.seed,
+                         p_rand=args.p_rand)
+    val_builder = TaskBuilder(val_books, tok.encode, tok.bos_id)
+    val_windows = data.text_windows(val_books, args.eval_ctx + 1, args.n_eval)
+    eval_set = data.eval_samples(val_builder, args.eval_ctx, args.n_eval)
+    # induction on its own (random words) at the training context, to watch a short-context phase
+    probe_set = data.eval_samples(val_builder, args.ctx, args.n_eval, random_words=True)
 
-    cfg = LlamaConfig(vocab_size=args.n_vocab, hidden_size=args.n_embd, intermediate_size=args.n_ff,
-                      num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
-                      num_key_value_heads=args.n_head_kv, max_position_embeddings=args.ctx)
-    model = LlamaForCausalLM(cfg)
-    model.init_weights(args.seed)
+    init = None
+    if args.init:
+        model, init = _warm_start(args)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=args.n_vocab, hidden_size=args.n_embd, intermediate_size=args.n_ff,
+            num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+            num_key_value_heads=args.n_head_kv, max_position_embeddings=args.ctx))
+        model.init_weights(args.seed)
+    cfg = model.config
     opt = _optimizer(model, args)
     n_params = sum(p.numel() for p in model.parameters())
     _log(f"model: {n_params / 1e6:.2f}M parameters, head_dim {cfg.head_dim}; "
@@ -82,11 +138,13 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
                       "minutes": round((time.time() - t0) / 60, 2),
                       "val_loss": round(evaluate.val_loss(model, val_windows), 4),
                       "task_accuracy": {k: round(v, 4) for k, v in evaluate.task_accuracy(model, eval_set).items()},
+                      "probe": {"ctx": args.ctx, "task_accuracy": {
+                          k: round(v, 4) for k, v in evaluate.task_accuracy(model, probe_set).items()}},
                       "train_loss_ema": None if ema is None else round(ema, 4)}
             history.append(record)
             _log(json.dumps(record))
             extra = {"command": command, "args": asdict(args), "data": corpus.SOURCE,
-                     "n_params": n_params, "history": history}
+                     "n_params": n_params, "init": init, "history": history}
             hf.save(model, args.out, extra)
             model.train()
         if step == args.steps:

@@ -5,7 +5,11 @@ boundaries, so llama.cpp tokenizes the decoded text to the same ids:
 - copy: a passage from elsewhere in the corpus appears early and again late; the second copy is
   predictable only by finding the first (an induction head's job);
 - key-value: sentences such as "Vorilane lives at number 482." early, the same sentences again
-  late in another order; the value is predictable only by looking the key up.
+  late in another order; the value is predictable only by looking the key up;
+- random words: a passage of common words drawn uniformly at random, repeated; nothing but copying
+  predicts the repeats, a far stronger signal for forming induction heads than repeated text (which
+  the language model partly predicts anyway). Either put in text like copy, or a whole sequence of
+  one passage repeated (`repeated_words`, training only).
 Spans record which targets belong to which task, so accuracy is measured on exactly those tokens.
 Numpy only: the accuracy tests can build the same sequences for llama.cpp without torch.
 """
@@ -17,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.tokenizer import _WORDS as _COMMON_WORDS
 
 NL = 0x0A + 3  # the byte token <0x0A>: ids 3..258 are bytes in sparq_cpp.tokenizer's layout
 
@@ -46,6 +51,10 @@ class TaskBuilder:
         self.books = [b for b in paragraphs if b]
         self.encode, self.bos_id = encode, bos_id
         self._sep = np.array([NL, NL], np.int32)
+        # words that are one token after a space; no piece spans a space, so a run of them is
+        # tokenized back to the same ids
+        words = (encode(" " + w) for w in _COMMON_WORDS.split())
+        self.word_ids = np.array(sorted({int(t[0]) for t in words if len(t) == 1}), np.int32)
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -81,6 +90,10 @@ class TaskBuilder:
             i += 1
         return np.concatenate(parts)[:n]
 
+    def _words(self, rng, lo: int, hi: int) -> np.ndarray:
+        """lo..hi common words drawn uniformly at random (one token each)."""
+        return rng.choice(self.word_ids, size=int(rng.integers(lo, hi + 1)))
+
     def _body(self, rng, n: int) -> tuple[np.ndarray, list[int]]:
         """n tokens of consecutive paragraphs and the offsets where paragraphs start."""
         book = self.books[rng.integers(len(self.books))]
@@ -96,17 +109,30 @@ class TaskBuilder:
 
     # ---- sequences ------------------------------------------------------------------------
 
+    def repeated_words(self, rng: np.random.Generator, T: int, span: tuple[int, int]) -> Sample:
+        """T tokens: BOS, then one passage of random words (length log-uniform in span) again and
+        again, paragraphs apart, the last one cut."""
+        n = int(np.exp(rng.uniform(np.log(span[0]), np.log(span[1] + 1))))
+        p = np.concatenate([self._words(rng, n, n), self._sep])
+        reps = -(-(T - 1) // len(p))
+        tokens = np.concatenate([[self.bos_id], np.tile(p, reps)[:T - 1]]).astype(np.int32)
+        spans = [("rand_first" if i == 0 else "rand_repeat", 1 + i * len(p) + 1, min(1 + i * len(p) + n, T))
+                 for i in range(reps)]
+        return Sample(tokens, [sp for sp in spans if sp[1] < sp[2]])
+
     def sample(self, rng: np.random.Generator, T: int, *, copy: int = 0, n_kv: int = 0,
                early: tuple[float, float] = (0.0, 0.5), late: tuple[float, float] = (0.6, 1.0),
-               copy_len: tuple[int, int] = (24, 160)) -> Sample:
+               copy_len: tuple[int, int] = (24, 160), random_words: bool = False) -> Sample:
         """A sequence of T tokens: text with `copy` copied passages and `n_kv` key-value records,
         their first parts put in at paragraph boundaries in the `early` fraction of the text and
-        their second parts in the `late` fraction (fractions of the text before anything is put in)."""
+        their second parts in the `late` fraction (fractions of the text before anything is put in).
+        random_words: the copied passages are random words (kinds rand_*)."""
         first, second = [], []  # (tokens, [(kind, start, end) relative to tokens])
+        kind = "rand" if random_words else "copy"
         for _ in range(int(copy)):
-            p = self._passage(rng, *copy_len)
-            first.append((p, [("copy_first", 1, len(p))]))
-            second.append((p, [("copy_repeat", 1, len(p))]))
+            p = self._words(rng, *copy_len) if random_words else self._passage(rng, *copy_len)
+            first.append((p, [(f"{kind}_first", 1, len(p))]))
+            second.append((p, [(f"{kind}_repeat", 1, len(p))]))
         records = [self._record(rng) for _ in range(n_kv)]
         for toks, s, e in records:
             first.append((toks, [("kv_first", s, e)]))
@@ -149,14 +175,14 @@ class TaskBuilder:
 def score(sample: Sample, logits: np.ndarray) -> dict[str, tuple[int, int]]:
     """{kind: (correct, total)} with greedy predictions from logits (T, vocab) of sample.tokens.
 
-    Copy kinds count tokens; kv kinds count values, correct only when every token is right.
+    Copy kinds (copy_*, rand_*) count tokens; kv kinds count values, correct only when every token is right.
     """
     pred = np.argmax(logits, axis=-1)
     out: dict[str, list[int]] = {}
     for kind, s, e in sample.spans:
         hit = pred[s - 1:e - 1] == sample.tokens[s:e]  # logits at t predict token t+1
         c = out.setdefault(kind, [0, 0])
-        if kind.startswith("copy"):
+        if kind.startswith(("copy", "rand")):
             c[0] += int(hit.sum())
             c[1] += len(hit)
         else:
