@@ -379,12 +379,11 @@ def plan_groups(shape: ModelShape, cfg: BenchConfig, depth: int, budget: int, ba
 def faster_baseline(results: list) -> str | None:
     """The f16 dense baseline with the lower median at the deepest depth measured so far."""
     prim = _primary(results)
-    here = {m: r for (d, m), r in prim.items() if m in BASELINE_MODES}
-    if not here:
+    keys = [(d, m) for (d, m) in prim if m in BASELINE_MODES]
+    if not keys:
         return None
-    deepest = max(prim[(d, m)]["depth"] for (d, m) in prim if m in BASELINE_MODES)
-    at = {m: r for (d, m), r in prim.items() if d == deepest and m in BASELINE_MODES}
-    return min(at, key=lambda m: at[m]["median_s"])
+    deepest = max(d for d, _ in keys)
+    return min((m for d, m in keys if d == deepest), key=lambda m: prim[(deepest, m)]["median_s"])
 
 
 def choose_layers(geo_for, cfg: BenchConfig, budget: int, max_layers: int) -> int:

@@ -99,17 +99,10 @@ def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
 
 
 def main():
-    """Standalone entry (until the command is registered in cli/main.py): errors as one line, exit 2."""
-    try:
-        command(standalone_mode=False)
-    except SparqError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
+    """`python -m sparq_cpp.cli.calibrate`: the command on its own."""
+    from sparq_cpp.cli.main import run_standalone
+
+    run_standalone(command)
 
 
 if __name__ == "__main__":

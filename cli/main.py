@@ -40,5 +40,20 @@ def main():
     cli(prog_name="sparq-cpp")
 
 
+def run_standalone(command) -> None:
+    """Run a click command outside `sparq-cpp` (`python -m ...`) with the same error contract:
+    a SparqError is one line on stderr and exit status 2, Ctrl-C exits 130."""
+    try:
+        command(standalone_mode=False)
+    except SparqError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        sys.exit(130)
+
+
 if __name__ == "__main__":
     main()

@@ -86,16 +86,9 @@ def eval_(gguf_path, ckpt, ctx, n_eval, threads, card, deb):
 
 
 def main():
-    try:
-        cli(standalone_mode=False)
-    except SparqError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
+    from sparq_cpp.cli.main import run_standalone
+
+    run_standalone(cli)
 
 
 if __name__ == "__main__":
