@@ -189,6 +189,20 @@ def test_stream_fits_every_context(T):
         Stream(builder, T, seed=1, p_rand=1.5)
 
 
+def test_p_random_ramp():
+    """--p-random START:END moves linearly from START at step 0 to END at the last step."""
+    from sparq_cpp.train.run import TrainArgs, _p_rand, parse_fraction_ramp
+
+    assert parse_fraction_ramp("0.3") == (0.3, None)
+    assert parse_fraction_ramp("0.9:0.2") == (0.9, 0.2)
+    for bad in ("1.2", "0.5:-0.1", "a:b", "0.1:0.2:0.3", ""):
+        with pytest.raises(SparqError, match="--p-random"):
+            parse_fraction_ramp(bad)
+    args = TrainArgs(out="x", steps=100, p_rand=0.9, p_rand_end=0.2)
+    assert [round(_p_rand(args, s), 6) for s in (0, 50, 100)] == [0.9, 0.55, 0.2]
+    assert _p_rand(TrainArgs(out="x", p_rand=0.4), 77) == 0.4
+
+
 def test_warm_start_keeps_geometry_and_pools_kv_heads(tmp_path):
     """--init keeps the checkpoint's geometry, refuses flags that disagree, and a smaller
     --n-head-kv mean-pools the KV heads that each new KV head's query heads used."""

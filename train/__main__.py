@@ -47,19 +47,21 @@ def fetch(deb):
 @click.option("--batch", type=int, default=2, show_default=True, help="Sequences per step.")
 @click.option("--steps", type=int, default=900, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True)
-@click.option("--p-random", "p_rand", type=float, default=0.0, show_default=True,
-              help="Fraction of sequences that are a passage of random words, repeated (induction training).")
+@click.option("--p-random", "p_rand", default="0", show_default=True, metavar="P|START:END",
+              help="Fraction of sequences that are a passage of random words, repeated (induction training); "
+                   "START:END changes it linearly over the steps (a curriculum within one phase).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
 @click.option("--eval-every", type=int, default=200, show_default=True)
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def train(out, deb, init, **kw):
     """Train from scratch or from --init; writes a checkpoint (with training.json) at every evaluation."""
-    from sparq_cpp.train.run import GEOMETRY, TrainArgs, geometry, train as run
+    from sparq_cpp.train.run import GEOMETRY, TrainArgs, geometry, parse_fraction_ramp, train as run
 
     kw.update(geometry({k: kw.pop(k) for k in GEOMETRY}, init))
     if kw["n_embd"] % kw["n_head"] or kw["n_head"] % kw["n_head_kv"]:
         raise SparqError("n-embd must divide by n-head, and n-head by n-head-kv")
+    kw["p_rand"], kw["p_rand_end"] = parse_fraction_ramp(kw["p_rand"])
     command = "python -m sparq_cpp.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     run(TrainArgs(out=out, init=init, **kw), command=command, deb=deb)
 

@@ -40,6 +40,7 @@ class TrainArgs:
     n_eval: int = 16
     eval_ctx: int = 2048
     p_rand: float = 0.0
+    p_rand_end: float | None = None  # p_rand moves linearly to this over the steps
     init: str | None = None
 
 
@@ -82,6 +83,23 @@ def _warm_start(args: TrainArgs) -> tuple[LlamaForCausalLM, dict]:
     return model, {"checkpoint": args.init,
                    "kv_heads_mean_pooled_from": n_kv if n_kv != args.n_head_kv else None,
                    "training": json.loads(parent.read_text()) if parent.is_file() else None}
+
+
+def parse_fraction_ramp(text: str) -> tuple[float, float | None]:
+    """"P" -> (P, None); "START:END" -> (START, END); each a fraction in [0, 1]."""
+    try:
+        vals = [float(x) for x in str(text).split(":")]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or not all(0 <= v <= 1 for v in vals):
+        raise SparqError(f"--p-random wants a fraction in [0, 1] or START:END of two, not {text!r}")
+    return vals[0], (vals[1] if len(vals) == 2 else None)
+
+
+def _p_rand(args: TrainArgs, step: int) -> float:
+    if args.p_rand_end is None:
+        return args.p_rand
+    return args.p_rand + (args.p_rand_end - args.p_rand) * step / max(1, args.steps)
 
 
 def _lr(args: TrainArgs, step: int) -> float:
@@ -140,7 +158,8 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
                       "task_accuracy": {k: round(v, 4) for k, v in evaluate.task_accuracy(model, eval_set).items()},
                       "probe": {"ctx": args.ctx, "task_accuracy": {
                           k: round(v, 4) for k, v in evaluate.task_accuracy(model, probe_set).items()}},
-                      "train_loss_ema": None if ema is None else round(ema, 4)}
+                      "train_loss_ema": None if ema is None else round(ema, 4),
+                      "p_random": round(_p_rand(args, step), 4)}
             history.append(record)
             _log(json.dumps(record))
             extra = {"command": command, "args": asdict(args), "data": corpus.SOURCE,
@@ -151,6 +170,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
             break
         for g in opt.param_groups:
             g["lr"] = _lr(args, step)
+        stream.p_rand = _p_rand(args, step)
         ids = torch.from_numpy(stream.batch(args.batch)).long()
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
