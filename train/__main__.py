@@ -66,6 +66,17 @@ def train(out, deb, init, **kw):
     run(TrainArgs(out=out, init=init, **kw), command=command, deb=deb)
 
 
+@cli.command("eval-data")
+@click.option("--out", required=True, metavar="DIR", help="Directory for heldout.txt, needle.txt, kv.txt.")
+@click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
+def eval_data(out, deb):
+    """Task files for `sparq-cpp eval` from the held-out text (the last 5% of each novel)."""
+    from sparq_cpp.train import evaldata
+
+    paths = evaldata.write(out, deb)
+    click.echo(" ".join(f"--data {task}={path}" for task, path in paths.items()))
+
+
 @cli.command("eval")
 @click.option("--gguf", "gguf_path", required=True, metavar="MODEL", help="Converted model to measure.")
 @click.option("--ckpt", default=None, metavar="DIR", help="Its checkpoint (for training.json in the card).")

@@ -1,0 +1,46 @@
+"""Task files for `sparq-cpp eval` from the held-out Austen text, in the formats it reads
+(`sparq-cpp eval --help-formats`), phrased like the training mixture's key-value sentences so the
+trained model can be asked: the needle is one such sentence, the question its first half."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from sparq_cpp.train import corpus
+from sparq_cpp.train.tasks import _SYLLABLES
+
+NEEDLE = {"needle": "The password of Dekedi is lantern.", "question": "What is the password of Dekedi?",
+          "answer": "lantern", "answer_prefix": "The password of Dekedi is"}
+
+
+def _keys(n: int, seed: int) -> list[str]:
+    rng, keys = np.random.default_rng(seed), []
+    while len(keys) < n:
+        k = "".join(rng.choice(_SYLLABLES, size=int(rng.integers(2, 4)))).capitalize()
+        if k not in keys:
+            keys.append(k)
+    return keys
+
+
+def write(out: str | Path, deb=None, n_kv: int = 400, seed: int = 7) -> dict[str, Path]:
+    """Writes heldout.txt (bpc, repetition), needle.txt and kv.txt under `out`; returns {task: path}."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _, val = corpus.split(corpus.load_novels(deb))
+    heldout = "\n\n".join(t.strip() for t in val) + "\n"
+    rng = np.random.default_rng(seed)
+    files = {
+        "heldout.txt": heldout,
+        "needle.txt": "".join(f"{k}: {v}\n" for k, v in NEEDLE.items()) + "---\n" + heldout,
+        "kv.txt": "".join(f"{k}\t{int(rng.integers(100, 2000))}\n" for k in _keys(n_kv, seed)),
+    }
+    paths = {}
+    for name, text in files.items():
+        p = out / name
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(p)
+        paths[name] = p
+    return {"bpc": paths["heldout.txt"], "repetition": paths["heldout.txt"], "needle": paths["needle.txt"],
+            "kv": paths["kv.txt"]}
