@@ -92,6 +92,7 @@ class BenchConfig:
     loki_pca: Path | None = None  # None: a synthetic basis for the model (decode time does not depend on it)
     mean_value: bool = True
     repeats: int = 15
+    rounds: int = 1       # the whole sweep this many times, fresh contexts each time; samples pooled
     warmup: int = 2
     fill: str = "synthetic"
     prefill_max: int = 4096
@@ -194,7 +195,7 @@ def validate(cfg: BenchConfig) -> BenchConfig:
     cfg = replace(cfg, depths=parse_depths(cfg.depths), modes=parse_modes(cfg.modes))
     if cfg.fill not in FILLS:
         raise SparqError(f"--fill: unknown {cfg.fill!r} (choose from {', '.join(FILLS)})")
-    for name in ("repeats", "r", "k", "d", "prefill_batch"):
+    for name in ("repeats", "rounds", "r", "k", "d", "prefill_batch"):
         if getattr(cfg, name) < 1:
             raise SparqError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(cfg, name)}")
     for name in ("warmup", "l", "prefill_max"):
@@ -616,6 +617,40 @@ def _stats(samples: list) -> dict:
             "max_s": float(a.max()), "mean_s": float(a.mean())}
 
 
+def _sample_stats(rec: dict, repeats: int) -> dict:
+    """Median, IQR, ... of a record's undisturbed steps when there are at least half of `repeats`
+    of them, else of all its steps."""
+    good = [t for t, bad in zip(rec["samples_s"], rec["disturbed"]) if not bad]
+    use_good = len(good) >= max(1, -(-repeats // 2))
+    return {"stats_from": "undisturbed steps" if use_good else "all steps (machine busy throughout)",
+            "n_used": len(good) if use_good else len(rec["samples_s"]),
+            **_stats(good if use_good else rec["samples_s"])}
+
+
+def pool_rounds(results: list, repeats: int) -> list:
+    """One record per (depth, mode, fill) from the records of several rounds: their steps pooled,
+    the statistics over the pool (a round whose window hit a slow spell, or whose contexts landed
+    badly in memory, is outvoted), and each round's own median kept under "rounds"."""
+    pooled: dict = {}
+    for r in results:
+        key = (r["depth"], r["mode"], r["fill"])
+        if key not in pooled:
+            pooled[key] = {**{k: v for k, v in r.items() if k != "round"}, "samples_s": [], "run_queue_wait_s": [],
+                           "disturbed": [], "warmup_s": [], "fill_s": 0.0, "rounds": []}
+        p = pooled[key]
+        for f in ("samples_s", "run_queue_wait_s", "disturbed", "warmup_s"):
+            p[f] = p[f] + list(r[f])
+        p["fill_s"] += r["fill_s"]
+        p["rounds"].append({k: r[k] for k in ("median_s", "q1_s", "q3_s", "n_used", "timed_with",
+                                               "other_processes_cpu_share", "waited_for_quiet_s")})
+    out = []
+    for p in pooled.values():
+        p.update(_sample_stats(p, repeats * len(p["rounds"])))
+        p["effective_gbs"] = p["bytes"]["total"] / p["median_s"] / 1e9
+        out.append(p)
+    return out
+
+
 def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: list, token: int, k_std, v_std,
                bar) -> list:
     """Time some modes at one depth: one context per (mode, fill), each filled and warmed up, then
@@ -684,17 +719,11 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
         by = token_bytes(shape, mode.kind, depth, mode.cache_type, r=cfg.r, k=cfg.k, d=cfg.d)
         for fill in fills:
             key = (mode.name, fill)
-            allt = [x[0] for x in samples[key]]
-            good = [x[0] for x in samples[key] if not x[2]]
-            use_good = len(good) >= max(1, -(-cfg.repeats // 2))
-            st = _stats(good if use_good else allt)
-            out.append({"depth": depth, "mode": mode.name, "fill": fill, "samples_s": allt,
-                        "run_queue_wait_s": [x[1] for x in samples[key]],
-                        "disturbed": [x[2] for x in samples[key]],
-                        "stats_from": "undisturbed steps" if use_good else "all steps (machine busy throughout)",
-                        "n_used": len(good) if use_good else len(allt),
-                        "warmup_s": warm[key], **st, "fill_s": fill_s[key], "bytes": by,
-                        "effective_gbs": by["total"] / st["median_s"] / 1e9,
+            rec = {"depth": depth, "mode": mode.name, "fill": fill, "samples_s": [x[0] for x in samples[key]],
+                   "run_queue_wait_s": [x[1] for x in samples[key]], "disturbed": [x[2] for x in samples[key]]}
+            rec.update(_sample_stats(rec, cfg.repeats))
+            out.append({**rec, "warmup_s": warm[key], "fill_s": fill_s[key], "bytes": by,
+                        "effective_gbs": by["total"] / rec["median_s"] / 1e9,
                         "attention": ctxs[key].attention, "n_ctx": n_ctx_for(depth),
                         "timed_with": [m.name for m in modes],
                         "other_processes_cpu_share": others, "waited_for_quiet_s": waited})
@@ -777,24 +806,29 @@ def run(cfg: BenchConfig, log=print) -> dict:
     k_std, v_std, scale_how = kv_scales(path, shape)
 
     tasks = [(d, m, f) for d in cfg.depths for m in cfg.modes for f in fills_at(cfg, d)]
-    steps = sum(_warmup_steps(cfg, MODES[m], f) + cfg.repeats for _, m, f in tasks)
+    steps = cfg.rounds * sum(_warmup_steps(cfg, MODES[m], f) + cfg.repeats for _, m, f in tasks)
     bar = tqdm(total=steps, desc="bench", unit="step", disable=not cfg.progress, leave=False)
     rng = np.random.default_rng(cfg.seed)
     token = int(rng.integers(3, shape.n_vocab))
     results = []
     try:
-        for depth in cfg.depths:
-            fills = fills_at(cfg, depth)
-            groups = plan_groups(shape, cfg, depth, budget, faster_baseline(results) or first_base)
-            estimates[depth]["groups"] = groups
-            estimates[depth]["group_peak"] = max(group_estimate(shape, cfg, depth, x)["total"] for x in groups)
-            if len(groups) > 1:
-                log(f"S={fmt_depth(depth)}: timing {' | '.join(','.join(x) for x in groups)}")
-            for group in groups:
-                results += _run_group(path, shape, [MODES[m] for m in group], cfg, depth, fills, token,
+        # rounds run the whole sweep again (minutes apart for the same depth), with fresh contexts
+        for rnd in range(cfg.rounds):
+            for depth in cfg.depths:
+                fills = fills_at(cfg, depth)
+                if rnd == 0:
+                    groups = plan_groups(shape, cfg, depth, budget, faster_baseline(results) or first_base)
+                    estimates[depth]["groups"] = groups
+                    estimates[depth]["group_peak"] = max(group_estimate(shape, cfg, depth, x)["total"] for x in groups)
+                    if len(groups) > 1:
+                        log(f"S={fmt_depth(depth)}: timing {' | '.join(','.join(x) for x in groups)}")
+                for group in estimates[depth]["groups"]:
+                    recs = _run_group(path, shape, [MODES[m] for m in group], cfg, depth, fills, token,
                                       k_std, v_std, bar)
+                    results += [{**r, "round": rnd} for r in recs]
     finally:
         bar.close()
+    results = pool_rounds(results, cfg.repeats)
 
     doc = {
         "schema": SCHEMA,
@@ -912,7 +946,8 @@ def format_table(doc: dict) -> str:
     m, mach = doc["model"], doc["machine"]
     lines = [f"{Path(m['path']).name}: {m['n_layer']} layers; {mach['cpu_model']}, {mach['threads']} threads, "
              f"read bandwidth {mach['bandwidth']['best_gbs']:.1f} GB/s; one token at depth S, "
-             f"{doc['config']['repeats']} timed steps each (+ warm-up)",
+             f"{doc['config']['repeats']} timed steps each (+ warm-up)"
+             + (f", in each of {doc['config']['rounds']} rounds, pooled" if doc['config'].get('rounds', 1) > 1 else ""),
              f"speed-up: over the faster of {', '.join(BASELINE_MODES)} ('base'); bound: bytes(base) / bytes(mode); "
              f"others: CPU share other processes used meanwhile; kept: undisturbed steps used / steps taken "
              f"(! = machine busy throughout, all steps used)",

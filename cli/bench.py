@@ -30,6 +30,9 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
               help="SparQ's mean-value reallocation (the paper turns it off for GQA models).")
 @click.option("--repeats", type=int, default=15, show_default=True,
               help="Timed single-token steps per (S, mode); with 7, reruns on a 2-vCPU VM differed by up to 13%.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="Run the sweep this many times, with fresh contexts, and pool the steps: a slow spell "
+                   "or a bad memory placement in one round is outvoted.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
 @click.option("--threads", type=int, default=None, help="Threads (default: all usable cores).")
 @click.option("--fill", type=click.Choice(FILLS), default="synthetic", show_default=True,
@@ -55,13 +58,13 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, loki_pca, mean_value, repeats, warmup, threads,
+def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, loki_pca, mean_value, repeats, rounds, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
             max_extra_steps, wait_quiet, interleave, progress):
     """Time ONE decoded token at depth S for each mode (median and IQR of repeated steps at a fixed
     depth), with the bytes each token reads, the machine's read bandwidth, and the speed-up bound."""
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
-                      r=r, k=k, l=l, d=d, loki_l=loki_l, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, warmup=warmup, fill=fill,
+                      r=r, k=k, l=l, d=d, loki_l=loki_l, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=max(1, bandwidth_mib) << 20, disturbed_frac=disturbed_frac,

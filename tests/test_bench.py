@@ -315,7 +315,7 @@ def test_cli_bad_input_one_line_exit_2(models, tmp_path):
 
 def test_tiny_bench_writes_json_and_png(models, tmp_path):
     modes = ["dense-fa", "dense-nofa"] + (["sparq"] if HAS_SPARSE else []) + (["loki"] if HAS_LOKI else [])
-    cfg = BenchConfig(model=models["tiny-gqa"], depths="64,256", modes=modes, threads=1, repeats=2, warmup=1,
+    cfg = BenchConfig(model=models["tiny-gqa"], depths="64,256", modes=modes, threads=1, repeats=2, rounds=2, warmup=1,
                       fill="both", r=8, k=32, l=8, d=16, json_path=tmp_path / "r.json", plot_path=tmp_path / "r.png",
                       bandwidth_bytes=1 << 25, progress=False)
     logs = []
@@ -328,7 +328,7 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
     assert "build" in data["machine"]
     assert len(data["results"]) == 2 * len(modes) * 2  # depths x modes x fills
     for r in data["results"]:
-        assert len(r["samples_s"]) >= 2 and len(r["warmup_s"]) == 1 and r["median_s"] > 0
+        assert len(r["samples_s"]) >= 4 and len(r["warmup_s"]) == 2 and r["median_s"] > 0 and len(r["rounds"]) == 2
         assert len(r["disturbed"]) == len(r["run_queue_wait_s"]) == len(r["samples_s"])
         assert r["n_used"] >= 1 and r["timed_with"] == modes  # tiny: every mode fits at once
         assert r["bytes"]["total"] > r["bytes"]["weights"] > 0
@@ -346,7 +346,26 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.tmp"))
     table = e2e.format_table(doc)
-    assert "median ms" in table and "fill agreement" in table
+    assert "median ms" in table and "fill agreement" in table and "2 rounds" in table
+
+
+def test_rounds_pool_their_steps():
+    """--rounds: one record per (S, mode, fill), the rounds' steps pooled, each round's median kept."""
+    def rec(rnd, samples, disturbed=None):
+        return {"depth": 1024, "mode": "sparq", "fill": "synthetic", "round": rnd, "samples_s": samples,
+                "run_queue_wait_s": [0.0] * len(samples), "disturbed": disturbed or [False] * len(samples),
+                "warmup_s": [9.0], "fill_s": 1.0, "bytes": {"total": 1e9}, "timed_with": ["sparq"],
+                "other_processes_cpu_share": 0.0, "waited_for_quiet_s": 0.0, "median_s": float(np.median(samples)),
+                "q1_s": 0.0, "q3_s": 0.0, "n_used": len(samples)}
+    other = {**rec(0, [5.0, 5.0]), "mode": "dense-fa"}
+    # round 1 hit a slow spell: its steps are outvoted by rounds 0 and 2
+    out = e2e.pool_rounds([rec(0, [1.0, 1.1, 1.2]), other, rec(1, [3.0, 3.1, 3.2]),
+                           rec(2, [1.05, 1.15, 9.0], [False, False, True])], repeats=3)
+    assert len(out) == 2
+    p = next(r for r in out if r["mode"] == "sparq")
+    assert "round" not in p and len(p["rounds"]) == 3 and len(p["samples_s"]) == 9 and p["fill_s"] == 3.0
+    assert [r["median_s"] for r in p["rounds"]] == [1.1, 3.1, 1.15]
+    assert p["n_used"] == 8 and p["median_s"] == pytest.approx(1.175) and p["effective_gbs"] == pytest.approx(1 / 1.175)
 
 
 def test_memory_is_checked_before_the_model_is_written(tmp_path, monkeypatch):
