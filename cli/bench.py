@@ -75,3 +75,14 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, lok
     for path, what in ((doc["config"]["json_path"], "json"), (doc["config"]["plot_path"], "plot")):
         if path:
             click.echo(f"{what}: {path}", err=True)
+
+
+@click.command("bench-compare")
+@click.argument("run_a", type=click.Path(dir_okay=False))
+@click.argument("run_b", type=click.Path(dir_okay=False))
+@click.option("--tolerance", type=float, default=0.10, show_default=True, help="Relative difference counted as reproduced.")
+def compare_command(run_a, run_b, tolerance):
+    """Compare the speed-ups of two `sparq-cpp bench --json` runs (a rerun: the same command twice)."""
+    from sparq_cpp.bench.compare import compare, format_comparison, load
+
+    click.echo(format_comparison(compare(load(run_a), load(run_b), tolerance), tolerance))

@@ -33,6 +33,7 @@ def _register():
 
     for mod in (generate, calibrate, bench, eval, make_model, convert, info):
         cli.add_command(mod.command)
+    cli.add_command(bench.compare_command)
 
 
 def main():

@@ -393,3 +393,30 @@ def test_disturbed_steps_are_retaken_and_flagged(models, monkeypatch):
     assert all(r["disturbed"]) and len(r["samples_s"]) == 3 + 2
     assert r["stats_from"].startswith("all steps") and r["n_used"] == 5
     assert "5/5!" in e2e.format_table(doc)
+
+
+def test_bench_compare(tmp_path):
+    """bench-compare: speed-ups of two runs side by side, the ones off by more than the tolerance
+    marked; files that are not bench JSON are refused by name."""
+    from sparq_cpp.bench.compare import compare, format_comparison, load
+
+    def doc(speedups):
+        return {"schema": e2e.SCHEMA, "summary": [
+            {"depth": d, "mode": m, "speedup": s} for (d, m), s in speedups.items()] +
+            [{"depth": 1024, "mode": "dense-nofa", "speedup": None}]}
+    a = doc({(1024, "sparq"): 1.0, (4096, "sparq"): 2.0, (4096, "loki"): 1.5})
+    b = doc({(1024, "sparq"): 1.05, (4096, "sparq"): 1.7})
+    rows = compare(a, b)
+    assert [(r["depth"], r["mode"], r["agree"]) for r in rows] == [(1024, "sparq", True), (4096, "sparq", False)]
+    assert rows[1]["rel_diff"] == pytest.approx(-0.15)
+    text = format_comparison(rows)
+    assert "1 of 2 speed-ups reproduced within 10%" in text and "-15.0%  !" in text
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    assert load(tmp_path / "a.json") == a
+    (tmp_path / "bad.json").write_text('{"schema": "other"}')
+    for path, msg in ((tmp_path / "bad.json", "not a `sparq-cpp bench --json` file"),
+                      (tmp_path / "none.json", "no such file")):
+        with pytest.raises(SparqError, match=msg):
+            load(path)
+    with pytest.raises(SparqError, match="no \\(S, mode\\)"):
+        compare(a, doc({(8192, "sparq"): 3.0}))
