@@ -45,5 +45,5 @@ def format_comparison(rows: list, tol: float = RERUN_TOL) -> str:
                f"{100 * r['rel_diff']:>+6.1f}%{'' if r['agree'] else '  !'}" for r in rows)]
     bad = [r for r in rows if not r["agree"]]
     lines.append(f"{len(rows) - len(bad)} of {len(rows)} speed-ups reproduced within {tol:.0%}"
-                 + (f"; ! marks the others" if bad else ""))
+                 + ("; ! marks the others" if bad else ""))
     return "\n".join(lines)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from sparq_cpp.bench.compare import RERUN_TOL
 from sparq_cpp.bench.e2e import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, format_table, parse_depths, run
 from sparq_cpp.modelfactory import PRESETS, WTYPES
 
@@ -29,7 +30,8 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--mean-value/--no-mean-value", default=True, show_default=True,
               help="SparQ's mean-value reallocation (the paper turns it off for GQA models).")
 @click.option("--repeats", type=int, default=15, show_default=True,
-              help="Timed single-token steps per (S, mode); with 7, reruns on a 2-vCPU VM differed by up to 13%.")
+              help="Timed single-token steps per (S, mode) and round; on a 2-vCPU VM, reruns with 15 x 1 round "
+                   "and with 7 x 3 rounds differed by up to 14-15% at some S.")
 @click.option("--rounds", type=int, default=1, show_default=True,
               help="Run the sweep this many times, with fresh contexts, and pool the steps: a slow spell "
                    "or a bad memory placement in one round is outvoted.")
@@ -80,7 +82,7 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, lok
 @click.command("bench-compare")
 @click.argument("run_a", type=click.Path(dir_okay=False))
 @click.argument("run_b", type=click.Path(dir_okay=False))
-@click.option("--tolerance", type=float, default=0.10, show_default=True, help="Relative difference counted as reproduced.")
+@click.option("--tolerance", type=float, default=RERUN_TOL, show_default=True, help="Relative difference counted as reproduced.")
 def compare_command(run_a, run_b, tolerance):
     """Compare the speed-ups of two `sparq-cpp bench --json` runs (a rerun: the same command twice)."""
     from sparq_cpp.bench.compare import compare, format_comparison, load

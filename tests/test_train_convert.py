@@ -372,4 +372,3 @@ def test_demo_model_looks_keys_up_across_1k_tokens():
     finally:
         llm.close()
     assert sum(hits) >= 3, hits
-

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from sparq_cpp.evaluation.results import _atomic_write
 from sparq_cpp.train import corpus
-from sparq_cpp.train.tasks import _SYLLABLES
+from sparq_cpp.train.tasks import random_name
 
 NEEDLE = {"needle": "The password of Dekedi is lantern.", "question": "What is the password of Dekedi?",
           "answer": "lantern", "answer_prefix": "The password of Dekedi is"}
@@ -17,7 +18,7 @@ NEEDLE = {"needle": "The password of Dekedi is lantern.", "question": "What is t
 def _keys(n: int, seed: int) -> list[str]:
     rng, keys = np.random.default_rng(seed), []
     while len(keys) < n:
-        k = "".join(rng.choice(_SYLLABLES, size=int(rng.integers(2, 4)))).capitalize()
+        k = random_name(rng)
         if k not in keys:
             keys.append(k)
     return keys
@@ -26,7 +27,6 @@ def _keys(n: int, seed: int) -> list[str]:
 def write(out: str | Path, deb=None, n_kv: int = 400, seed: int = 7) -> dict[str, Path]:
     """Writes heldout.txt (bpc, repetition), needle.txt and kv.txt under `out`; returns {task: path}."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     _, val = corpus.split(corpus.load_novels(deb))
     heldout = "\n\n".join(t.strip() for t in val) + "\n"
     rng = np.random.default_rng(seed)
@@ -35,12 +35,7 @@ def write(out: str | Path, deb=None, n_kv: int = 400, seed: int = 7) -> dict[str
         "needle.txt": "".join(f"{k}: {v}\n" for k, v in NEEDLE.items()) + "---\n" + heldout,
         "kv.txt": "".join(f"{k}\t{int(rng.integers(100, 2000))}\n" for k in _keys(n_kv, seed)),
     }
-    paths = {}
-    for name, text in files.items():
-        p = out / name
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(p)
-        paths[name] = p
+    paths = {name: _atomic_write(out / name, lambda f, t=text: f.write(t.encode("utf-8")))
+             for name, text in files.items()}
     return {"bpc": paths["heldout.txt"], "repetition": paths["heldout.txt"], "needle": paths["needle.txt"],
             "kv": paths["kv.txt"]}

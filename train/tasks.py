@@ -33,6 +33,11 @@ _TEMPLATES = ("{key} lives at number {value}.", "The password of {key} is {value
               "{key} was born in the year {value}.", "The favourite word of {key} is {value}.")
 
 
+def random_name(rng: np.random.Generator) -> str:
+    """A made-up name of 2-3 syllables, e.g. "Dekedi": the keys of the key-value tasks."""
+    return "".join(rng.choice(_SYLLABLES, size=rng.integers(2, 4))).capitalize()
+
+
 @dataclass
 class Sample:
     tokens: np.ndarray                      # int32, length T, starting with BOS
@@ -59,7 +64,7 @@ class TaskBuilder:
     # ---- pieces ---------------------------------------------------------------------------
 
     def _key(self, rng) -> str:
-        return "".join(rng.choice(_SYLLABLES, size=rng.integers(2, 4))).capitalize()
+        return random_name(rng)
 
     def _record(self, rng) -> tuple[np.ndarray, int, int]:
         """One key-value sentence: (tokens, value start, value end)."""
@@ -113,7 +118,7 @@ class TaskBuilder:
         """T tokens: BOS, then one passage of random words (length log-uniform in span) again and
         again, back to back, the last one cut. No separator between the copies: with one (a blank
         line) a 4-layer model learns to count from it, a positional shortcut that finds nothing in
-        text, and learns it more slowly than the copying itself."""
+        text."""
         n = int(np.exp(rng.uniform(np.log(span[0]), np.log(span[1] + 1))))
         p = self._words(rng, n, n)
         reps = -(-(T - 1) // n)
