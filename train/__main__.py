@@ -52,6 +52,8 @@ def fetch(deb):
                    "START:END changes it linearly over the steps (a curriculum within one phase).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
+@click.option("--bf16", is_flag=True, help="Matmuls in bfloat16 (autocast; weights and optimizer stay float32): "
+              "2.6x faster steps on a CPU with AVX512-BF16; slow on one without.")
 @click.option("--eval-every", type=int, default=200, show_default=True)
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def train(out, deb, init, **kw):

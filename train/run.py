@@ -42,6 +42,7 @@ class TrainArgs:
     p_rand: float = 0.0
     p_rand_end: float | None = None  # p_rand moves linearly to this over the steps
     init: str | None = None
+    bf16: bool = False  # matmuls in bfloat16 under autocast (weights and optimizer stay float32)
 
 
 GEOMETRY = {"n_vocab": 2048, "n_embd": 256, "n_head": 2, "n_head_kv": 2, "n_layer": 4, "n_ff": 768}
@@ -116,6 +117,14 @@ def _optimizer(model, args: TrainArgs):
                               {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
 
 
+def next_token_loss(model, ids: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of predicting ids[:, 1:] from ids[:, :-1]; with bf16 the model runs under
+    bfloat16 autocast (its matmuls in bf16, the loss in float32)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -172,8 +181,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
             g["lr"] = _lr(args, step)
         stream.p_rand = _p_rand(args, step)
         ids = torch.from_numpy(stream.batch(args.batch)).long()
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss = next_token_loss(model, ids, args.bf16)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
