@@ -163,6 +163,32 @@ def test_random_word_sequences_are_text_too():
                                for b, f in repeats)
 
 
+def test_shuffled_chunks_copy_runs_from_random_places():
+    """Chunk sequences: the passage, then runs of it from random places, so the look-back distance
+    changes from run to run; every target in a repeat span follows its previous token somewhere in
+    the passage (an induction head's answer), and the whole survives decode + tokenize."""
+    from sparq_cpp.train.tasks import TaskBuilder
+    from sparq_cpp.train.tokenize import Tokenizer
+
+    tok = Tokenizer(2048)
+    builder = TaskBuilder([[tok.encode("A b.")]], tok.encode, tok.bos_id)
+    rng = np.random.default_rng(0)
+    offsets = set()
+    for T in (65, 129, 1025):
+        s = builder.shuffled_chunks(rng, T, (2, T // 2))
+        assert len(s.tokens) == T and s.tokens[0] == tok.bos_id
+        assert np.array_equal(tok.encode(tok.decode(s.tokens[1:])), s.tokens[1:])
+        (a, e), = [(a, e) for k, a, e in s.spans if k == "rand_first"]
+        passage = s.tokens[a - 1:e]
+        bigrams = set(zip(passage[:-1].tolist(), passage[1:].tolist()))
+        repeats = [(b, f) for k, b, f in s.spans if k == "rand_repeat"]
+        assert len(repeats) > 1 and repeats[0][0] == e + 1
+        for b, f in repeats:
+            assert all((int(s.tokens[t - 1]), int(s.tokens[t])) in bigrams for t in range(b, f))
+            offsets.add(b - 1 - a)  # where in the passage the run started, relative to its start
+    assert len(offsets) > 10
+
+
 class _WordTokenizer:
     """Words (with their leading space) and punctuation as tokens: enough for TaskBuilder, no llama.cpp."""
 
@@ -184,11 +210,14 @@ def test_stream_fits_every_context(T):
     books = [[rng.integers(300, 2000, int(n)).astype(np.int32) for n in rng.integers(5, 120, 400)]]
     builder = TaskBuilder(books, _WordTokenizer().encode)
     for p_rand in (0.0, 0.5, 1.0):
-        stream = Stream(builder, T, seed=1, p_rand=p_rand)
-        kinds = {k for _ in range(100) for k, _, _ in stream.next().spans}
-        assert ("rand_repeat" in kinds) == (p_rand > 0) and ("copy_repeat" in kinds) == (p_rand < 1)
+        for layout in ("repeat", "chunks", "mix"):
+            stream = Stream(builder, T, seed=1, p_rand=p_rand, rand_layout=layout)
+            kinds = {k for _ in range(100) for k, _, _ in stream.next().spans}
+            assert ("rand_repeat" in kinds) == (p_rand > 0) and ("copy_repeat" in kinds) == (p_rand < 1)
     with pytest.raises(SparqError, match="random-word"):
         Stream(builder, T, seed=1, p_rand=1.5)
+    with pytest.raises(SparqError, match="layout must be one of repeat, chunks, mix"):
+        Stream(builder, T, seed=1, p_rand=0.5, rand_layout="shuffle")
 
 
 def test_p_random_ramp():

@@ -42,10 +42,14 @@ def tokenized_books(tok: Tokenizer, deb=None) -> tuple[list[list[np.ndarray]], l
     return train, val
 
 
+RAND_LAYOUTS = ("repeat", "chunks", "mix")  # TaskBuilder.repeated_words, .shuffled_chunks, half each
+
+
 class Stream:
     """Random training sequences. p_rand of them are one passage of random words (T/64 to T/2
-    tokens, log-uniform) repeated to the end: pure induction training, nothing else predicts the
-    repeats. The others are text with tasks put in: in p_long of them one long passage (T/8 to
+    tokens, log-uniform) repeated to the end (rand_layout "repeat"), or followed by runs of it
+    taken from random places ("chunks"), or either ("mix"): pure induction training, nothing else
+    predicts the repeats. The others are text with tasks put in: in p_long of them one long passage (T/8 to
     5T/16 tokens) appears twice; in the others 1..max_copy passages (up to 32-384 tokens, at most
     half the sequence in all) do; p_kv of them also carry 2..max_kv key-value records, as many as
     fit in what the copies leave of 3/4 of the sequence. First parts go anywhere in the first half,
@@ -55,9 +59,12 @@ class Stream:
     KV_ROOM = 48  # tokens a key-value record takes, both mentions with separators (at most ~44)
 
     def __init__(self, builder: TaskBuilder, T: int, seed: int, p_long: float = 0.35, max_copy: int = 3,
-                 p_kv: float = 0.6, max_kv: int = 8, p_rand: float = 0.0):
+                 p_kv: float = 0.6, max_kv: int = 8, p_rand: float = 0.0, rand_layout: str = "repeat"):
         if not 0 <= p_rand <= 1:
             raise SparqError(f"the fraction of random-word sequences must be in [0, 1], not {p_rand}")
+        if rand_layout not in RAND_LAYOUTS:
+            raise SparqError(f"random-word layout must be one of {', '.join(RAND_LAYOUTS)}, not {rand_layout!r}")
+        self.rand_layout = rand_layout
         self.builder, self.T = builder, T
         self.rng = np.random.default_rng(seed)
         self.p_long, self.max_copy, self.p_kv, self.max_kv, self.p_rand = p_long, max_copy, p_kv, max_kv, p_rand
@@ -65,7 +72,10 @@ class Stream:
     def next(self) -> Sample:
         r, T = self.rng, self.T
         if r.random() < self.p_rand:
-            return self.builder.repeated_words(r, T, (max(2, T // 64), T // 2))
+            span = (max(2, T // 64), T // 2)
+            if self.rand_layout == "chunks" or (self.rand_layout == "mix" and r.random() < 0.5):
+                return self.builder.shuffled_chunks(r, T, span)
+            return self.builder.repeated_words(r, T, span)
         if r.random() < self.p_long:
             n_copy, lo, hi = 1, T // 8, 5 * T // 16
         else:

@@ -41,6 +41,7 @@ class TrainArgs:
     eval_ctx: int = 2048
     p_rand: float = 0.0
     p_rand_end: float | None = None  # p_rand moves linearly to this over the steps
+    rand_layout: str = "repeat"  # data.RAND_LAYOUTS
     init: str | None = None
     bf16: bool = False  # matmuls in bfloat16 under autocast (weights and optimizer stay float32)
 
@@ -135,7 +136,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
     tok = Tokenizer(args.n_vocab)
     train_books, val_books = data.tokenized_books(tok, deb)
     stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id), args.ctx + 1, args.seed,
-                         p_rand=args.p_rand)
+                         p_rand=args.p_rand, rand_layout=args.rand_layout)
     val_builder = TaskBuilder(val_books, tok.encode, tok.bos_id)
     val_windows = data.text_windows(val_books, args.eval_ctx + 1, args.n_eval)
     eval_set = data.eval_samples(val_builder, args.eval_ctx, args.n_eval)

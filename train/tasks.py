@@ -127,6 +127,26 @@ class TaskBuilder:
                  for i in range(reps)]
         return Sample(tokens, [sp for sp in spans if sp[1] < sp[2]])
 
+    def shuffled_chunks(self, rng: np.random.Generator, T: int, span: tuple[int, int],
+                        run: tuple[int, int] = (2, 16)) -> Sample:
+        """T tokens: BOS, one passage of random words (length log-uniform in span), then runs of
+        `run` consecutive words of it, each from a random place, back to back to the end. Each run's
+        first word is a guess; the rest are predictable only by finding the current word earlier and
+        copying its successor (an induction head), at an offset that changes with every run, so no
+        head that looks a fixed distance back can do it (back-to-back repeats of one passage teach
+        such heads first)."""
+        n = max(run[1], int(np.exp(rng.uniform(np.log(span[0]), np.log(span[1] + 1)))))
+        p = self._words(rng, n, n)
+        parts, spans, cursor = [np.array([self.bos_id], np.int32), p], [("rand_first", 2, 1 + n)], 1 + n
+        while cursor < T:
+            L = int(rng.integers(run[0], run[1] + 1))
+            s = int(rng.integers(0, n - L + 1))
+            parts.append(p[s:s + L])
+            spans.append(("rand_repeat", cursor + 1, min(cursor + L, T)))
+            cursor += L
+        tokens = np.concatenate(parts)[:T].astype(np.int32)
+        return Sample(tokens, [sp for sp in spans if sp[1] < sp[2]])
+
     def sample(self, rng: np.random.Generator, T: int, *, copy: int = 0, n_kv: int = 0,
                early: tuple[float, float] = (0.0, 0.5), late: tuple[float, float] = (0.6, 1.0),
                copy_len: tuple[int, int] = (24, 160), random_words: bool = False) -> Sample:
