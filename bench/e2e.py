@@ -29,7 +29,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,6 +39,7 @@ from sparq_cpp.bench import machine
 from sparq_cpp.bench.stateblob import KVLayout, blob_size, synthetic_state
 from sparq_cpp.bench.transfer_model import ModelShape, shape_from_geometry, shape_from_gguf, token_bytes
 from sparq_cpp.errors import SparqError
+from sparq_cpp.outfile import atomic_write, check_writable
 
 SCHEMA = "sparq-cpp-bench/1"
 DEFAULT_DEPTHS = "1k,2k,4k,8k,16k,32k"
@@ -158,38 +158,6 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
-def check_output_path(path, what: str) -> Path:
-    """Fail now, not after an hour, if `path` cannot be written: a directory, or no write access."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise SparqError(f"{what}: {path} is a directory")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise SparqError(f"{what}: directory {parent} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".check")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise SparqError(f"{what}: cannot write in {parent}: {e.strerror or e}") from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise SparqError(f"{what}: {path} is not writable")
-    return path
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then os.replace onto path."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def validate(cfg: BenchConfig) -> BenchConfig:
     """Check everything that needs no model: numbers, modes, the build, output paths."""
     cfg = replace(cfg, depths=parse_depths(cfg.depths), modes=parse_modes(cfg.modes))
@@ -226,9 +194,9 @@ def validate(cfg: BenchConfig) -> BenchConfig:
                          "attention of each mode itself and the variable would change the dense baselines")
     _check_build(cfg.modes)
     if cfg.json_path is not None:
-        cfg = replace(cfg, json_path=check_output_path(cfg.json_path, "--json"))
+        cfg = replace(cfg, json_path=check_writable(cfg.json_path, "--json"))
     if cfg.plot_path is not None:
-        cfg = replace(cfg, plot_path=check_output_path(cfg.plot_path, "--plot"))
+        cfg = replace(cfg, plot_path=check_writable(cfg.plot_path, "--plot"))
     return cfg
 
 
@@ -857,9 +825,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
     doc["summary"] = summarize(results, bw["best_gbs"])
     doc["fill_agreement"] = fill_agreement(results)
     if cfg.json_path is not None:
-        _atomic_write(cfg.json_path, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
+        atomic_write(cfg.json_path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)), "--json")
     if cfg.plot_path is not None:
-        _atomic_write(cfg.plot_path, lambda tmp: plot(doc, tmp))
+        atomic_write(cfg.plot_path, lambda tmp: plot(doc, tmp), "--plot")
     return doc
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from sparq_cpp.calib.files import atomic_write, check_writable
+from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import ggml_ops as go
 
@@ -178,7 +178,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
     if loki_d and not go.has_loki_attn():
         raise SparqError(f"ggml_loki_attn is missing from {go.lib_dir()}: build the patched ggml (or --loki-d 0)")
     if json_out:
-        check_writable(json_out)  # now, not after the long run
+        check_writable(json_out, "--json")  # now, not after the long run
     bw, how = measure_bandwidth(threads)
     click.echo(f"read bandwidth: {bw:.1f} GB/s ({how})")
     click.echo("times are per layer: median of the repeats (min in brackets); speedup over dense and %bw "
@@ -211,7 +211,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
     if json_out:
         doc = dict(bandwidth_gbs=bw, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
                    loki_d=loki_d, loki_l=loki_l, threads=threads, rows=rows)
-        atomic_write(json_out, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=2)))
+        atomic_write(json_out, lambda tmp: tmp.write_text(json.dumps(doc, indent=2)), "--json")
 
 
 if __name__ == "__main__":

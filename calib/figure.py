@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparq_cpp.calib.files import atomic_write
+from sparq_cpp.outfile import atomic_write
 
 
 def rank_figure(path, rank_pre: np.ndarray, rank_post: np.ndarray, head_dim: int, model_name: str,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparq_cpp.calib.files import atomic_write
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.calib.pca import VARIANTS, LokiPCA, explained_variance_ratio, rank_at
 from sparq_cpp.errors import SparqError
 

@@ -64,7 +64,7 @@ def _table(pca) -> str:
 def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
     from sparq_cpp.calib import calibrate, embed_projection, write_projection
-    from sparq_cpp.calib.files import check_writable
+    from sparq_cpp.outfile import check_writable
     from sparq_cpp.calib.run import check_sizes
     from sparq_cpp.gguf_check import check_gguf
 
@@ -74,9 +74,9 @@ def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
         raise SparqError(f"--threads must be >= 1, got {threads}")
     summary = check_gguf(gguf_path)
     model = Path(gguf_path)
-    out = check_writable(_out_path(model, out, embed))
+    out = check_writable(_out_path(model, out, embed), "--out")
     if figure is not None:
-        check_writable(figure)
+        check_writable(figure, "--figure")
     text = _read_texts(texts)
 
     t0 = time.perf_counter()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.evaluation.tasks import HIGHER_IS_BETTER, SCORE_NAMES
 
 
@@ -77,23 +76,9 @@ def format_table(doc: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _atomic_write(path, write) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json(doc: dict, path) -> Path:
     data = json.dumps(doc, indent=1, default=str).encode()
-    return _atomic_write(path, lambda f: f.write(data))
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data), "--json")
 
 
 def plot(doc: dict, path) -> Path:
@@ -130,9 +115,7 @@ def plot(doc: dict, path) -> Path:
     fig.suptitle(f"{model}: score vs compression", fontsize=10)
     fig.tight_layout()
 
-    def write(f):
-        fig.savefig(f, format="png", dpi=110)
     try:
-        return _atomic_write(path, write)
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110), "--plot")
     finally:
         plt.close(fig)

@@ -7,8 +7,6 @@ Tensors are read, converted and written one at a time; the file appears atomical
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.hf_checkpoint import LlamaHParams, Tensors, read_hparams, read_vocabulary
 
 OUTTYPES = {"f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -145,25 +144,7 @@ def convert(model_dir, out=None, outtype: str = "f16") -> Path:
     out = Path(out).expanduser() if out is not None else default_out(model_dir, outtype)
     if out.is_dir():
         raise SparqError(f"--out {out} is a directory")
-    tmp = _temp_next_to(out)
-    try:
-        _write(tmp, model_dir, hp, tensors, plan, outtype)
-        os.replace(tmp, out)
-    except BaseException:  # interrupts too: never leave a half-written file behind
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
-
-
-def _temp_next_to(path: Path) -> Path:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise SparqError(f"--out: cannot write in {path.parent}: {e.strerror or e}") from None
-    os.close(fd)
-    os.chmod(tmp, 0o644)
-    return Path(tmp)
+    return atomic_write(out, lambda tmp: _write(tmp, model_dir, hp, tensors, plan, outtype), "--out")
 
 
 def _write(tmp: Path, model_dir: Path, hp: LlamaHParams, tensors: Tensors, plan, outtype: str) -> None:

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
 
 # Bump whenever the bytes written for the same arguments change (it keys the model cache).
@@ -257,18 +257,6 @@ def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
                           raw_dtype=qtype)
 
 
-def _open_temp(path: Path) -> Path:
-    """An empty temporary file next to path, so that os.replace is atomic."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise SparqError(f"path: cannot write in {path.parent}: {e.strerror or e}") from None
-    os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; a model file is not
-    return Path(tmp)
-
-
 def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype: str = "f32",
                 seed: int = 0, progress: bool = False, **overrides) -> Path:
     """Write a synthetic Llama GGUF to path (atomically) and return the path.
@@ -283,14 +271,7 @@ def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype:
     if path.is_dir():
         raise SparqError(f"path: {path} is a directory")
     specs = list(_tensors(g, seed))
-    tmp = _open_temp(path)
-    try:
-        _write(tmp, g, specs, preset, wtype, seed, progress and path.name)
-        os.replace(tmp, path)
-    except BaseException:  # interrupts too: never leave a half-written file behind
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: _write(tmp, g, specs, preset, wtype, seed, progress and path.name), "path")
 
 
 def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, seed: int,

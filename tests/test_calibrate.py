@@ -377,7 +377,7 @@ def test_cli_errors(case, tmp_path, text_file):
     model = default_model_path("tiny")
     args = {"--gguf": model, "--text": text_file, "--tokens": 1024, "--ctx-size": 512, "--out": tmp_path / "o.gguf"}
     needle = {
-        "unwritable": "cannot write the output", "out-is-dir": "is a directory", "missing-model": "not found",
+        "unwritable": "a_file is not a directory", "out-is-dir": "is a directory", "missing-model": "not found",
         "not-gguf": "not a GGUF file", "foreign-gguf": "missing key llama.",
         "empty-text": "is empty", "no-text": "no calibration text", "tokens<ctx": "--tokens 100 is less than",
     }[case]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.train import corpus
 from sparq_cpp.tokenizer import BOS_ID
 from sparq_cpp.train.tasks import NL, Sample, TaskBuilder
@@ -28,9 +29,10 @@ def tokenized_books(tok: Tokenizer, deb=None) -> tuple[list[list[np.ndarray]], l
             arrays[f"b{b}_lens"] = np.array([len(p) for p in paras], np.int64)
             arrays[f"b{b}_ids"] = np.concatenate(paras).astype(np.int16)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, **arrays)
-        tmp.replace(path)
+        def write(tmp):
+            with open(tmp, "wb") as f:  # a file object: given a name, numpy would add ".npz" to it
+                np.savez_compressed(f, **arrays)
+        atomic_write(path, write, "token cache")
     train, val = [], []
     with np.load(path) as z:
         for b in range(len(z.files) // 2):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparq_cpp.evaluation.results import _atomic_write
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.train import corpus
 from sparq_cpp.train.tasks import random_name
 
@@ -35,7 +35,7 @@ def write(out: str | Path, deb=None, n_kv: int = 400, seed: int = 7) -> dict[str
         "needle.txt": "".join(f"{k}: {v}\n" for k, v in NEEDLE.items()) + "---\n" + heldout,
         "kv.txt": "".join(f"{k}\t{int(rng.integers(100, 2000))}\n" for k in _keys(n_kv, seed)),
     }
-    paths = {name: _atomic_write(out / name, lambda f, t=text: f.write(t.encode("utf-8")))
+    paths = {name: atomic_write(out / name, lambda tmp, t=text: tmp.write_text(t, encoding="utf-8"), "--out")
              for name, text in files.items()}
     return {"bpc": paths["heldout.txt"], "repetition": paths["heldout.txt"], "needle": paths["needle.txt"],
             "kv": paths["kv.txt"]}
