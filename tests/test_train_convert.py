@@ -1,6 +1,6 @@
 """`sparq-cpp convert` round trip: a torch Llama saved in the Hugging Face layout, converted to GGUF,
-gives the same logits in llama.cpp; bad input gives one clear error line. Also the committed demo
-model: it loads, writes text like its training text, and looks keys up over a long context."""
+gives the same logits in llama.cpp; bad input gives one clear error line. Also the training data
+and options. (The committed demo model's own tests, which need no torch: test_demo_model.py.)"""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from sparq_cpp import spm_model
 from sparq_cpp.convert import convert, permute_qk
 from sparq_cpp.errors import SparqError
 from sparq_cpp.tokenizer import build_vocab
+from texts import AUSTEN
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -22,8 +23,6 @@ pytest.importorskip("safetensors")
 from sparq_cpp.train import hf  # noqa: E402  (needs torch)
 from sparq_cpp.train.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "models" / "austen.q8_0.gguf"
 N_VOCAB = 512
 
 
@@ -355,64 +354,3 @@ def test_cli_converts(tmp_path, ckpt):
     r = CliRunner().invoke(cli, ["convert", str(ckpt), "--outtype", "q8_0", "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert "n_head_kv 2" in r.output and out.is_file()
-
-
-# ---- the committed demo model -----------------------------------------------------------------
-
-# Pride and Prejudice, chapter 1 (public domain): training-like text for prompts and filler.
-AUSTEN = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must "
-    "be in want of a wife.\n\nHowever little known the feelings or views of such a man may be on his "
-    "first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding "
-    "families, that he is considered the rightful property of some one or other of their daughters.\n\n"
-    "\"My dear Mr. Bennet,\" said his lady to him one day, \"have you heard that Netherfield Park is let "
-    "at last?\"\n\nMr. Bennet replied that he had not.\n\n\"But it is,\" returned she; \"for Mrs. Long has "
-    "just been here, and she told me all about it.\"\n\nMr. Bennet made no answer.\n\n\"Do you not want "
-    "to know who has taken it?\" cried his wife impatiently.\n\n\"You want to tell me, and I have no "
-    "objection to hearing it.\"\n\nThis was invitation enough.\n\n")
-
-needs_demo = pytest.mark.skipif(not DEMO.is_file(), reason=f"{DEMO.name} is not in this checkout")
-
-
-def _demo():
-    from sparq_cpp.llm import open_model
-
-    return open_model(DEMO, n_ctx=2048, n_threads=2, cache_type="f32")
-
-
-@pytest.mark.build
-@needs_demo
-def test_demo_model_writes_text_like_its_training_text():
-    from sparq_cpp.tokenizer import _WORDS
-
-    llm, summary = _demo()
-    try:
-        assert summary.head_dim == 128
-        text = llm(AUSTEN[:600], max_tokens=96, temperature=0.0)["choices"][0]["text"]
-    finally:
-        llm.close()
-    words = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
-    assert len(words) >= 20, text
-    # 64% of the words of held-out Austen text are in the tokenizer's common-word list; noise is ~0%
-    common = sum(w in set(_WORDS.split()) for w in words) / len(words)
-    assert common > 0.45, (common, text)
-    assert all(c.isprintable() or c == "\n" for c in text), text
-
-
-@pytest.mark.build
-@needs_demo
-def test_demo_model_looks_keys_up_across_1k_tokens():
-    records = [("Vorilane lives at number", " 482"), ("The password of Dekedi is", " candle"),
-               ("Piva was born in the year", " 937"), ("The favourite word of Sotama is", " anchor")]
-    facts = "".join(f"{k}{v}.\n\n" for k, v in records)
-    filler = AUSTEN * 4  # ~1.2k tokens between each fact and its question
-    llm, _ = _demo()
-    try:
-        hits = []
-        for k, v in records[::-1]:
-            prompt = AUSTEN[:300] + facts + filler + k
-            assert len(llm.tokenize(prompt.encode())) > 1200
-            hits.append(llm(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"].startswith(v))
-    finally:
-        llm.close()
-    assert sum(hits) >= 3, hits
