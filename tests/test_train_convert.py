@@ -209,13 +209,13 @@ def test_stream_fits_every_context(T):
     books = [[rng.integers(300, 2000, int(n)).astype(np.int32) for n in rng.integers(5, 120, 400)]]
     builder = TaskBuilder(books, _WordTokenizer().encode)
     for p_rand in (0.0, 0.5, 1.0):
-        for layout in ("repeat", "chunks", "mix"):
+        for layout in ("repeat", "chunks", "mix", "text"):
             stream = Stream(builder, T, seed=1, p_rand=p_rand, rand_layout=layout)
             kinds = {k for _ in range(100) for k, _, _ in stream.next().spans}
             assert ("rand_repeat" in kinds) == (p_rand > 0) and ("copy_repeat" in kinds) == (p_rand < 1)
     with pytest.raises(SparqError, match="random-word"):
         Stream(builder, T, seed=1, p_rand=1.5)
-    with pytest.raises(SparqError, match="layout must be one of repeat, chunks, mix"):
+    with pytest.raises(SparqError, match="layout must be one of repeat, chunks, mix, text"):
         Stream(builder, T, seed=1, p_rand=0.5, rand_layout="shuffle")
 
 

@@ -50,9 +50,10 @@ def fetch(deb):
 @click.option("--p-random", "p_rand", default="0", show_default=True, metavar="P|START:END",
               help="Fraction of sequences that are a passage of random words, repeated (induction training); "
                    "START:END changes it linearly over the steps (a curriculum within one phase).")
-@click.option("--random-layout", "rand_layout", type=click.Choice(["repeat", "chunks", "mix"]), default="repeat",
-              show_default=True, help="How a random-word sequence repeats its passage: back to back; as runs "
-                   "from random places (no fixed look-back distance works); or half of each.")
+@click.option("--random-layout", "rand_layout", type=click.Choice(["repeat", "chunks", "mix", "text"]),
+              default="repeat", show_default=True,
+              help="How a random-word sequence repeats its passage: back to back; as runs from random places "
+                   "(no fixed look-back distance works); half of each; or as copied passages in text.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
 @click.option("--bf16", is_flag=True, help="Matmuls in bfloat16 (autocast; weights and optimizer stay float32): "

@@ -44,14 +44,16 @@ def tokenized_books(tok: Tokenizer, deb=None) -> tuple[list[list[np.ndarray]], l
     return train, val
 
 
-RAND_LAYOUTS = ("repeat", "chunks", "mix")  # TaskBuilder.repeated_words, .shuffled_chunks, half each
+# TaskBuilder.repeated_words, .shuffled_chunks, half each, or text whose copied passages are random words
+RAND_LAYOUTS = ("repeat", "chunks", "mix", "text")
 
 
 class Stream:
     """Random training sequences. p_rand of them are one passage of random words (T/64 to T/2
     tokens, log-uniform) repeated to the end (rand_layout "repeat"), or followed by runs of it
     taken from random places ("chunks"), or either ("mix"): pure induction training, nothing else
-    predicts the repeats. The others are text with tasks put in: in p_long of them one long passage (T/8 to
+    predicts the repeats; or ("text") text whose copied passages are random words, the same copying
+    amid text (a model trained on pure random-word sequences copies there and not in text). The others are text with tasks put in: in p_long of them one long passage (T/8 to
     5T/16 tokens) appears twice; in the others 1..max_copy passages (up to 32-384 tokens, at most
     half the sequence in all) do; p_kv of them also carry 2..max_kv key-value records, as many as
     fit in what the copies leave of 3/4 of the sequence. First parts go anywhere in the first half,
@@ -73,11 +75,15 @@ class Stream:
 
     def next(self) -> Sample:
         r, T = self.rng, self.T
+        in_text = False
         if r.random() < self.p_rand:
             span = (max(2, T // 64), T // 2)
-            if self.rand_layout == "chunks" or (self.rand_layout == "mix" and r.random() < 0.5):
+            if self.rand_layout == "text":
+                in_text = True
+            elif self.rand_layout == "chunks" or (self.rand_layout == "mix" and r.random() < 0.5):
                 return self.builder.shuffled_chunks(r, T, span)
-            return self.builder.repeated_words(r, T, span)
+            else:
+                return self.builder.repeated_words(r, T, span)
         if r.random() < self.p_long:
             n_copy, lo, hi = 1, T // 8, 5 * T // 16
         else:
@@ -87,7 +93,7 @@ class Stream:
         room = (3 * T // 4 - 1 - 2 * n_copy * (hi + 2)) // self.KV_ROOM
         n_kv = min(int(r.integers(2, self.max_kv + 1)), max(room, 0)) if r.random() < self.p_kv else 0
         return self.builder.sample(r, T, copy=n_copy, n_kv=n_kv, early=(0.0, 0.5), late=(0.55, 1.0),
-                                   copy_len=(lo, hi))
+                                   copy_len=(lo, hi), random_words=in_text)
 
     def batch(self, n: int) -> np.ndarray:
         return np.stack([self.next().tokens for _ in range(n)])
