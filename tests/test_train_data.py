@@ -18,3 +18,5 @@ def test_eval_data_files_parse_as_eval_tasks(tmp_path, monkeypatch):
     assert needle["haystack"].strip() == held.strip()
     pairs = tasks.parse_kv(paths["kv"].read_text(), "kv.txt")
     assert len(pairs) == 400 and len({k for k, _ in pairs}) == 400 and all(v.isdigit() for _, v in pairs)
+    calib = paths["calib"].read_text()  # Loki's calibration text: training text only
+    assert "Paragraph 0 of book 5" in calib and "Paragraph 39 of" not in calib

@@ -73,14 +73,17 @@ def train(out, deb, init, **kw):
 
 
 @cli.command("eval-data")
-@click.option("--out", required=True, metavar="DIR", help="Directory for heldout.txt, needle.txt, kv.txt.")
+@click.option("--out", required=True, metavar="DIR", help="Directory for heldout.txt, needle.txt, kv.txt, calib.txt.")
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def eval_data(out, deb):
-    """Task files for `sparq-cpp eval` from the held-out text (the last 5% of each novel)."""
+    """Task files for `sparq-cpp eval` from the held-out text (the last 5% of each novel), and
+    calibration text for `sparq-cpp calibrate` from the training text."""
     from sparq_cpp.train import evaldata
 
     paths = evaldata.write(out, deb)
-    click.echo(" ".join(f"--data {task}={path}" for task, path in paths.items()))
+    calib = paths.pop("calib")
+    click.echo("sparq-cpp eval " + " ".join(f"--data {task}={path}" for task, path in paths.items()))
+    click.echo(f"sparq-cpp calibrate --text {calib}")
 
 
 @cli.command("eval")
