@@ -47,7 +47,7 @@ def _data(items):
 
 @click.command("eval")
 @click.option("--gguf", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model (default: the built-in synthetic model; random weights, so scores are noise).")
+              help="GGUF model (default: the demo model, models/austen.q8_0.gguf).")
 @click.option("--tasks", "task_list", default="bpc,repetition,needle,kv", show_default=True,
               help="Comma-separated, from: bpc, repetition, needle, kv.")
 @click.option("--data", "data", multiple=True, metavar="TASK=PATH",
@@ -105,11 +105,9 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
         if t not in tasks.TASKS:
             raise SparqError(f"unknown task {t!r} (known: {', '.join(tasks.TASKS)})")
     if gguf is None:
-        from sparq_cpp.modelfactory import default_model_path
+        from sparq_cpp.demo_model import default_model
 
-        click.echo("no --gguf given: using the built-in synthetic model (random weights, so scores are noise)",
-                   err=True)
-        gguf = default_model_path()
+        gguf = default_model(lambda msg: click.echo(msg, err=True))
     cfg = EvalConfig(
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new,

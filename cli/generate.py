@@ -9,7 +9,7 @@ import click
 
 from sparq_cpp.errors import SparqError
 
-DEFAULT_PROMPT = "Once upon a time"
+DEFAULT_PROMPT = "It is a truth universally acknowledged"
 
 
 def _read_prompt(prompt, prompt_file) -> str:
@@ -29,11 +29,9 @@ def _read_prompt(prompt, prompt_file) -> str:
 def _resolve_model(gguf):
     if gguf is not None:
         return Path(gguf)
-    from sparq_cpp.modelfactory import default_model_path
+    from sparq_cpp.demo_model import default_model
 
-    click.echo("no --gguf given: using the built-in synthetic model (random weights, so the text is noise)",
-               err=True)
-    return default_model_path()
+    return default_model(lambda msg: click.echo(msg, err=True))
 
 
 class _Utf8Stream:
@@ -57,12 +55,13 @@ class _Utf8Stream:
 
 @click.command("generate")
 @click.option("--gguf", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file (default: a built-in synthetic model).")
+              help="GGUF model file (default: the demo model, models/austen.q8_0.gguf).")
 @click.option("--prompt", "-p", default=None, help=f"Prompt text (default: {DEFAULT_PROMPT!r}).")
 @click.option("--prompt-file", "-f", default=None, help="Read the prompt from this UTF-8 file.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
               help="Tokens to generate.")
-@click.option("--ctx-size", "-c", type=int, default=4096, show_default=True, help="Context size.")
+@click.option("--ctx-size", "-c", type=int, default=None,
+              help="Context size (default: 4096, or the model's training context if that is shorter).")
 @click.option("--threads", "-t", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 @click.option("--temp", "--temperature", "temp", type=float, default=0.8, show_default=True,
@@ -94,7 +93,12 @@ def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp,
     if temp < 0:
         raise SparqError(f"--temp must be >= 0, got {temp}")
     text = _read_prompt(prompt, prompt_file)
-    llm, summary = open_model(_resolve_model(gguf), attention=attention, n_ctx=ctx_size,
+    path = _resolve_model(gguf)
+    if ctx_size is None:
+        from sparq_cpp.gguf_check import check_gguf
+
+        ctx_size = min(4096, check_gguf(path).n_ctx_train or 4096)
+    llm, summary = open_model(path, attention=attention, n_ctx=ctx_size,
                               n_threads=threads, seed=seed, cache_type=cache_type)
     tokens = llm.tokenize(text.encode("utf-8"), add_bos=True)
     if len(tokens) + n_predict > ctx_size:

@@ -56,3 +56,18 @@ def test_demo_model_looks_keys_up_across_1k_tokens():
     finally:
         llm.close()
     assert sum(hits) >= 3, hits
+
+
+def test_default_model_is_the_demo_model_when_installed(tmp_path, monkeypatch):
+    """generate and eval without --gguf: the committed demo model, or, where an install lacks it, the
+    synthetic model, and the message says which."""
+    from sparq_cpp import demo_model
+
+    fake = tmp_path / "austen.q8_0.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setattr(demo_model, "DEMO_MODEL", fake)
+    said = []
+    assert demo_model.default_model(said.append) == fake and "demo model austen.q8_0.gguf" in said[0]
+    monkeypatch.setattr(demo_model, "DEMO_MODEL", tmp_path / "missing.gguf")
+    synthetic = demo_model.default_model(said.append)
+    assert synthetic.suffix == ".gguf" and synthetic != fake and "synthetic model" in said[1]
