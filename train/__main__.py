@@ -59,6 +59,9 @@ def fetch(deb):
 @click.option("--bf16", is_flag=True, help="Matmuls in bfloat16 (autocast; weights and optimizer stay float32): "
               "2.6x faster steps on a CPU with AVX512-BF16; slow on one without.")
 @click.option("--eval-every", type=int, default=200, show_default=True)
+@click.option("--stop-at", type=click.IntRange(min=1), default=None, metavar="STEP",
+              help="End after this step, with a checkpoint; the learning-rate and --p-random schedules "
+                   "stay those of --steps (how a phase that was stopped early is reproduced).")
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def train(out, deb, init, **kw):
     """Train from scratch or from --init; writes a checkpoint (with training.json) at every evaluation."""

@@ -44,6 +44,7 @@ class TrainArgs:
     rand_layout: str = "repeat"  # data.RAND_LAYOUTS
     init: str | None = None
     bf16: bool = False  # matmuls in bfloat16 under autocast (weights and optimizer stay float32)
+    stop_at: int | None = None  # end after this step (with a checkpoint), the schedule still that of `steps`
 
 
 GEOMETRY = {"n_vocab": 2048, "n_embd": 256, "n_head": 2, "n_head_kv": 2, "n_layer": 4, "n_ff": 768}
@@ -160,8 +161,9 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
 
     history, t0, ema = [], time.time(), None
     record = {}
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
+    last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    for step in range(last + 1):
+        if step % args.eval_every == 0 or step == last:
             record = {"step": step, "tokens": step * args.batch * args.ctx,
                       "minutes": round((time.time() - t0) / 60, 2),
                       "val_loss": round(evaluate.val_loss(model, val_windows), 4),
@@ -176,7 +178,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
                      "n_params": n_params, "init": init, "history": history}
             hf.save(model, args.out, extra)
             model.train()
-        if step == args.steps:
+        if step == last:
             break
         for g in opt.param_groups:
             g["lr"] = _lr(args, step)
