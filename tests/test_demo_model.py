@@ -9,23 +9,26 @@ import pytest
 
 from texts import AUSTEN
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "austen.q8_0.gguf"
+MODELS = Path(__file__).resolve().parents[1] / "models"
+DEMOS = [MODELS / "austen.q8_0.gguf", MODELS / "austen-gqa.q8_0.gguf"]
 
-needs_demo = pytest.mark.skipif(not DEMO.is_file(), reason=f"{DEMO.name} is not in this checkout")
+needs_demo = pytest.mark.skipif(not all(p.is_file() for p in DEMOS), reason="the demo models are not in this checkout")
+each_demo = pytest.mark.parametrize("demo", DEMOS, ids=lambda p: p.name.split(".")[0])
 
 
-def _demo():
+def _demo(path):
     from sparq_cpp.llm import open_model
 
-    return open_model(DEMO, n_ctx=2048, n_threads=2, cache_type="f32")
+    return open_model(path, n_ctx=2048, n_threads=2, cache_type="f32")
 
 
 @pytest.mark.build
 @needs_demo
-def test_demo_model_writes_text_like_its_training_text():
+@each_demo
+def test_demo_model_writes_text_like_its_training_text(demo):
     from sparq_cpp.tokenizer import _WORDS
 
-    llm, summary = _demo()
+    llm, summary = _demo(demo)
     try:
         assert summary.head_dim == 128
         text = llm(AUSTEN[:600], max_tokens=96, temperature=0.0)["choices"][0]["text"]
@@ -41,21 +44,37 @@ def test_demo_model_writes_text_like_its_training_text():
 
 @pytest.mark.build
 @needs_demo
-def test_demo_model_looks_keys_up_across_1k_tokens():
-    records = [("Vorilane lives at number", " 482"), ("The password of Dekedi is", " candle"),
-               ("Piva was born in the year", " 937"), ("The favourite word of Sotama is", " anchor")]
-    facts = "".join(f"{k}{v}.\n\n" for k, v in records)
-    filler = AUSTEN * 4  # ~1.2k tokens between each fact and its question
-    llm, _ = _demo()
+@each_demo
+def test_demo_model_copies_across_1k_tokens_of_text(demo):
+    """Retrieval heads: a passage of 40 random common words, then ~1.2k tokens of Austen, then the
+    passage's first 20 words: the model goes on with the passage's next words (greedy), far more
+    often than when the passage was never in the context (the control: the same prompt without it).
+    Measured on the committed models: 36 (MHA) and 38 (GQA) of 48 words with the passage, 0 without."""
+    import numpy as np
+
+    from sparq_cpp.tokenizer import _WORDS
+
+    rng = np.random.default_rng(0)
+    paras = [p for p in (AUSTEN * 8).split("\n\n") if p]
+    llm, _ = _demo(demo)
+    hits = {"with": 0, "without": 0}
     try:
-        hits = []
-        for k, v in records[::-1]:
-            prompt = AUSTEN[:300] + facts + filler + k
-            assert len(llm.tokenize(prompt.encode())) > 1200
-            hits.append(llm(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"].startswith(v))
+        # the common words that are one token, as in the training mixture's random-word passages
+        vocab = sorted(w for w in set(_WORDS.split()) if len(llm.tokenize((" " + w).encode(), add_bos=False)) == 1)
+        assert len(vocab) > 200
+        for trial in range(6):
+            words = list(rng.choice(vocab, 40))
+            filler = "\n\n".join(paras[trial:trial + 40])
+            for case in hits:
+                first = "\n\n" + " ".join(words) if case == "with" else ""
+                prompt = AUSTEN[:300] + first + "\n\n" + filler + "\n\n" + " ".join(words[:20])
+                if case == "with":
+                    assert len(llm.tokenize(prompt.encode())) > 1200
+                out = llm(prompt, max_tokens=10, temperature=0.0)["choices"][0]["text"].split()
+                hits[case] += sum(a == b for a, b in zip(out, words[20:28]))
     finally:
         llm.close()
-    assert sum(hits) >= 3, hits
+    assert hits["with"] >= 24 and hits["without"] <= 3, hits
 
 
 def test_default_model_is_the_demo_model_when_installed(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from sparq_cpp.outfile import atomic_write
 from sparq_cpp.train import corpus, data
 from sparq_cpp.train.gguf_eval import GGUFScorer
 from sparq_cpp.train.tasks import TaskBuilder
@@ -16,7 +17,9 @@ EVAL_NOTE = ("validation loss: mean next-token cross-entropy (nats/token) over n
              "and 4 key-value sentences, first parts in the first 20%, second parts in the last 15%): "
              "copy_repeat = tokens of the second copy predicted right (copy_first: the same tokens at "
              "their first occurrence, for reference), kv_value = values predicted entirely right "
-             "(kv_first: the same values at their first mention, i.e. guessing)")
+             "(kv_first: the same values at their first mention, i.e. guessing); random_word_copy: the same "
+             "sequences with a passage of random common words as the copied passage (rand_repeat: its second "
+             "occurrence, over 60% of ctx after the first; rand_first: the first, i.e. guessing)")
 
 
 def measure(gguf_path, *, ctx: int = 2048, n_eval: int = 16, threads: int = 1, deb=None) -> dict:
@@ -25,9 +28,13 @@ def measure(gguf_path, *, ctx: int = 2048, n_eval: int = 16, threads: int = 1, d
         tok = Tokenizer(scorer.summary.n_vocab)
         _, val_books = data.tokenized_books(tok, deb)
         windows = data.text_windows(val_books, ctx + 1, n_eval)
-        samples = data.eval_samples(TaskBuilder(val_books, tok.encode, tok.bos_id), ctx, n_eval)
+        builder = TaskBuilder(val_books, tok.encode, tok.bos_id)
+        samples = data.eval_samples(builder, ctx, n_eval)
+        words = data.eval_samples(builder, ctx, n_eval, random_words=True)
         return {"ctx": ctx, "n": n_eval, "val_loss": round(scorer.val_loss(windows), 4),
-                "task_accuracy": {k: round(v, 4) for k, v in scorer.task_accuracy(samples).items()}}
+                "task_accuracy": {k: round(v, 4) for k, v in scorer.task_accuracy(samples).items()},
+                "random_word_copy": {k: round(v, 4) for k, v in scorer.task_accuracy(words).items()
+                                     if k.startswith("rand")}}
     finally:
         scorer.close()
 
@@ -43,4 +50,4 @@ def write_card(path, gguf_path, result: dict, ckpt=None) -> None:
         card.update(training_command=training["command"], training_args=training["args"],
                     n_params=training["n_params"], training_history=training["history"],
                     training_init=training.get("init"))
-    Path(path).write_text(json.dumps(card, indent=2) + "\n")
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(card, indent=2) + "\n"), "--card")
