@@ -20,7 +20,7 @@ build: $(VENV)/.deps
 	$(PY) -m sparq_cpp.pyext.build $(BUILD_ARGS)
 
 demo: setup
-	$(VENV)/bin/sparq-cpp generate -n 64 --r 16 --k 16 --prompt "The quick brown fox jumps over the lazy dog."
+	$(VENV)/bin/sparq-cpp generate -n 96 --r 16 --k 16
 
 # pytest exits 5 when it collected nothing: that is a broken test run here, not a pass.
 test: setup
