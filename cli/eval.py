@@ -48,8 +48,8 @@ def _data(items):
 @click.command("eval")
 @click.option("--gguf", type=click.Path(dir_okay=False), default=None,
               help="GGUF model (default: the demo model, models/austen.q8_0.gguf).")
-@click.option("--tasks", "task_list", default="bpc,repetition,needle,kv", show_default=True,
-              help="Comma-separated, from: bpc, repetition, needle, kv.")
+@click.option("--tasks", "task_list", default="bpc,repetition,needle,kv,copy", show_default=True,
+              help="Comma-separated, from: bpc, repetition, needle, kv, copy.")
 @click.option("--data", "data", multiple=True, metavar="TASK=PATH",
               help="Read a task's samples from this file (formats: `sparq-cpp eval --help-formats`); "
                    "default: generated data.")
@@ -58,10 +58,12 @@ def _data(items):
                    "(reference); METHOD@ref or METHOD@llama picks the backend.")
 @click.option("--ratios", default="1,1/2,1/4,1/8,1/16", show_default=True,
               help="Target compression ratios (attention data read / dense, SPEC.md).")
-@click.option("--samples", type=int, default=4, show_default=True, help="bpc / repetition: samples per task.")
-@click.option("--context", type=int, default=512, show_default=True, help="bpc / repetition: context tokens.")
+@click.option("--samples", type=int, default=4, show_default=True, help="bpc / repetition / copy: samples per task.")
+@click.option("--context", type=int, default=512, show_default=True, help="bpc / repetition / copy: context tokens.")
 @click.option("--continuation", type=int, default=64, show_default=True, help="bpc: tokens scored per sample.")
 @click.option("--max-new", type=int, default=64, show_default=True, help="repetition: most tokens generated.")
+@click.option("--copy-words", type=int, default=32, show_default=True,
+              help="copy: words in the paragraph that is repeated (the first is given, the rest scored).")
 @click.option("--lengths", default="512,1024", show_default=True, help="needle / kv: prompt lengths in tokens.")
 @click.option("--depths", default="0,0.5,1", show_default=True, help="needle / kv: depths (0 = start, 1 = end).")
 @click.option("--r", "sparq_r", type=int, default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
@@ -80,11 +82,11 @@ def _data(items):
               help="Write a PNG: score vs compression per method, a panel per task.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
-def command(gguf, task_list, data, methods, ratios, samples, context, continuation, max_new, lengths, depths,
+def command(gguf, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
             sparq_r, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
             progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
-    needle in a haystack, key-value retrieval. The reference (exact top-k, H2O, LM-Infinite, and any
+    needle in a haystack, key-value retrieval, copying a paragraph of random words. The reference (exact top-k, H2O, LM-Infinite, and any
     METHOD@ref) is a numpy forward pass: practical for small models only (see the README)."""
     from sparq_cpp.evaluation import results, tasks
     from sparq_cpp.evaluation.methods import parse_methods
@@ -95,7 +97,7 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
         click.echo(tasks.__doc__)
         return
     for name, v in (("--samples", samples), ("--context", context), ("--continuation", continuation),
-                    ("--max-new", max_new)):
+                    ("--max-new", max_new), ("--copy-words", copy_words)):
         if v < 1:
             raise SparqError(f"{name} must be >= 1, got {v}")
     if context < 2:
@@ -110,7 +112,7 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
         gguf = default_model(lambda msg: click.echo(msg, err=True))
     cfg = EvalConfig(
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
-        task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new,
+        task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
         data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, loki_d=loki_d,
         mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress)

@@ -61,7 +61,8 @@ def check_requested(cfg: EvalConfig, n_ctx_train: int, model_name: str) -> None:
     tc = cfg.task_cfg
     asks = {"bpc": ("--context + --continuation", tc.context + tc.continuation),
             "repetition": ("--context + --max-new", tc.context + tc.max_new),
-            "needle": ("--lengths", max(tc.lengths)), "kv": ("--lengths", max(tc.lengths))}
+            "needle": ("--lengths", max(tc.lengths)), "kv": ("--lengths", max(tc.lengths)),
+            "copy": ("--context + --copy-words", tc.context + tc.copy_words)}
     for task in cfg.tasks:
         what, n = asks[task]
         if n > n_ctx_train:

@@ -19,6 +19,12 @@ File formats (UTF-8; ``--data TASK=PATH``; defaults are generated, see textgen.p
   (tokens) and depth (0 = start, 1 = end) the needle is put at a sentence boundary at that depth of
   a haystack cut to the length, followed by the question. Score: 1 if the answer appears in the
   output (case and spacing ignored), else 0.
+- copy (retrieval measured by the loss): plain text. Each sample is a window of about ``context``
+  tokens with a paragraph of ``copy_words`` words drawn at random from the file's 300 most common
+  one-token words put in at a sentence boundary near its first tenth, and the same words again at the end: the first half is
+  given, the second half scored. Score: bits per character of the scored words, lower is better. Nothing
+  but finding the earlier paragraph predicts them, so a method that loses it scores about
+  log2(300) bits per word (~1.4 bits per character) instead of dense attention's.
 - kv (key-value retrieval, Liu et al. 2023): one ``key<TAB>value`` pair per line (at least 2).
   For each length and depth, a JSON object of as many pairs as fit the length, then the question
   for the key at that depth. Score: 1 if the output starts with the value, else 0.
@@ -27,15 +33,17 @@ from __future__ import annotations
 
 import json
 import re
+
+import numpy as np
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparq_cpp.errors import SparqError
 
-TASKS = ("bpc", "repetition", "needle", "kv")
-HIGHER_IS_BETTER = {"bpc": False, "repetition": True, "needle": True, "kv": True}
+TASKS = ("bpc", "repetition", "needle", "kv", "copy")
+HIGHER_IS_BETTER = {"bpc": False, "repetition": True, "needle": True, "kv": True, "copy": False}
 SCORE_NAMES = {"bpc": "bits per character", "repetition": "characters matched", "needle": "accuracy",
-               "kv": "accuracy"}
+               "kv": "accuracy", "copy": "bits per character"}
 
 
 @dataclass
@@ -66,6 +74,7 @@ class TaskConfig:
     max_new: int = 64                  # repetition: most tokens generated
     lengths: tuple = (512, 1024)       # needle / kv: prompt lengths in tokens
     depths: tuple = (0.0, 0.5, 1.0)    # needle / kv: where the needle / key sits
+    copy_words: int = 32               # copy: words in the repeated paragraph
 
 
 class Tokenizer:
@@ -297,7 +306,47 @@ def kv_samples(text: str, tok: Tokenizer, cfg: TaskConfig, where: str) -> list[S
     return out
 
 
-BUILDERS = {"bpc": bpc_samples, "repetition": repetition_samples, "needle": needle_samples, "kv": kv_samples}
+COPY_VOCAB = 300  # the copy task draws its words from the file's most common words
+
+
+def copy_samples(text: str, tok: Tokenizer, cfg: TaskConfig, where: str) -> list[Sample]:
+    counts: dict[str, int] = {}
+    for w in re.findall(r"[A-Za-z]+", text[:400_000]):
+        counts[w] = counts.get(w, 0) + 1
+    # the most common words that are one token each (after a space) in this model's vocabulary
+    vocab = [w for w in sorted(counts, key=lambda w: (-counts[w], w))[:3 * COPY_VOCAB]
+             if len(tok.encode(" " + w)) == 1][:COPY_VOCAB]
+    if len(vocab) < 50:
+        raise SparqError(f"copy task file {where}: {len(vocab)} distinct one-token words; the task draws from 50 "
+                         "or more")
+    rng = np.random.default_rng(len(text))
+    n_words = cfg.copy_words
+    out = []
+    ids = tok.encode(text[: 20_000])
+    cpt = max(1.0, len(text[: 20_000]) / max(len(ids), 1))
+    for i, start in enumerate(_windows(text, cfg.samples, int(cfg.context * cpt * 1.3))):
+        words = [str(w) for w in rng.choice(vocab, n_words)]
+        para = " ".join(words)
+        budget = cfg.context - 2 * len(tok.encode(" " + para)) - 8
+        if budget < cfg.context // 2:
+            raise SparqError(f"copy: --context {cfg.context} is too short for {n_words} copied words")
+        body = _cut(text, start, budget, tok)
+        cut = _depth_cut(body, 0.1)  # a sentence boundary near the first tenth
+        given = n_words // 2
+        head = body[:cut].rstrip() + "\n\n" + para + "\n\n" + body[cut:].lstrip() + "\n\n" + " ".join(words[:given])
+        prompt = tok.encode(head, bos=True)
+        full = tok.encode(head + " " + " ".join(words[given:]), bos=True)
+        if full[:len(prompt)] != prompt:
+            raise SparqError(f"copy task file {where}: the tokenizer merges across a word boundary")
+        target = full[len(prompt):]
+        chars = len(tok.decode(target, prev=prompt))
+        out.append(Sample("copy", f"copy-{i}", "score", prompt, target=target, n_chars=chars,
+                          meta={"char_offset": start, "words": n_words}))
+    return out
+
+
+BUILDERS = {"bpc": bpc_samples, "repetition": repetition_samples, "needle": needle_samples, "kv": kv_samples,
+            "copy": copy_samples}
 
 
 def build(task: str, tok: Tokenizer, cfg: TaskConfig, path=None, seed: int = 0) -> list[Sample]:

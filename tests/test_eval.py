@@ -48,17 +48,18 @@ def by_key(records):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
 def test_llama_cpp_scores_equal_reference(models, preset):
-    doc = run(small(models[preset], "dense,dense@ref,sparq,sparq@ref"), log=lambda s: None)
+    doc = run(small(models[preset], "dense,dense@ref,sparq,sparq@ref", tasks_=("bpc", "repetition", "copy"),
+                    task_cfg=dict(copy_words=16)), log=lambda s: None)
     recs = by_key(doc["records"])
     llama = {k: r for k, r in recs.items() if k[4] == "llama"}
-    assert len(llama) == 2 * 2 * 2  # tasks x samples x (dense, sparq at 1/4)
+    assert len(llama) == 3 * 2 * 2  # tasks x samples x (dense, sparq at 1/4)
     moved = 0
     for (task, sample, method, target, _), r in llama.items():
         o = recs[(task, sample, method, target, "ref")]
         assert r["params"] == o["params"] and r["ratio"] == o["ratio"]
-        if task == "bpc":
+        if task in ("bpc", "copy"):
             assert abs(r["score"] - o["score"]) <= BPC_TOL, (sample, method)
-            if method == "sparq":
+            if method == "sparq" and task == "bpc":
                 dense = recs[(task, sample, "dense", 1.0, "llama")]["score"]
                 moved += abs(r["score"] - dense) > 10 * abs(r["score"] - o["score"])
         else:
@@ -156,6 +157,22 @@ def test_user_files_are_read(models, tmp_path):
     assert all(len(s.prompt) <= 300 for s in samples)
 
 
+def test_copy_task_repeats_a_paragraph_of_common_words(models):
+    """copy: a paragraph of the file's common one-token words early in the window, the same words at
+    the end, the first half given and the second half scored."""
+    tok = tasks.Tokenizer(models["tiny"])
+    cfg = tasks.TaskConfig(samples=3, context=400, copy_words=20)
+    samples = tasks.build("copy", tok, cfg)
+    assert len(samples) == 3 and len({tuple(s.target) for s in samples}) == 3
+    for s in samples:
+        assert s.kind == "score" and len(s.prompt) <= 400 and s.n_chars > 0
+        text = tok.decode(s.prompt)
+        words = text.split("\n\n")[-1].split() + tok.decode(s.target, prev=s.prompt).split()
+        assert len(words) == 20 and all(len(tok.encode(" " + w)) == 1 for w in words)
+        first = text.index(" ".join(words))  # the whole paragraph, earlier in the window
+        assert first < 0.25 * len(text) and text.count(" ".join(words)) == 1
+
+
 def test_outputs_table_json_plot(models, tmp_path):
     doc = run(small(models["tiny"], "dense,h2o", tasks_=("bpc",), ratios="1/2"), log=lambda s: None)
     doc["summary"] = results.summarize(doc["records"])
@@ -180,6 +197,7 @@ def test_outputs_table_json_plot(models, tmp_path):
     ("bpc", "too short.", "too short"),
     ("repetition", b"\xff\xfe binary \x00 data", "binary"),
     ("bpc", b"caf\xe9 latin-1 text", "not UTF-8"),
+    ("copy", "the cat sat on the mat. " * 400, "distinct one-token words"),
 ])
 def test_wrong_task_file_format(models, tmp_path, task, content, needle):
     path = tmp_path / f"{task}.txt"
