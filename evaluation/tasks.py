@@ -21,10 +21,10 @@ File formats (UTF-8; ``--data TASK=PATH``; defaults are generated, see textgen.p
   output (case and spacing ignored), else 0.
 - copy (retrieval measured by the loss): plain text. Each sample is a window of about ``context``
   tokens with a paragraph of ``copy_words`` words drawn at random from the file's 300 most common
-  one-token words put in at a sentence boundary near its first tenth, and the same words again at the end: the first half is
-  given, the second half scored. Score: bits per character of the scored words, lower is better. Nothing
-  but finding the earlier paragraph predicts them, so a method that loses it scores about
-  log2(300) bits per word (~1.4 bits per character) instead of dense attention's.
+  one-token words put in at a sentence boundary near its first tenth, and the same words again at
+  the end: the first half is given, the second half scored. Score: bits per character of the
+  scored words, lower is better. Nothing but finding the earlier paragraph predicts them, so a
+  method that loses it scores about log2(300) bits per word (~1.4 bits per character) or worse.
 - kv (key-value retrieval, Liu et al. 2023): one ``key<TAB>value`` pair per line (at least 2).
   For each length and depth, a JSON object of as many pairs as fit the length, then the question
   for the key at that depth. Score: 1 if the output starts with the value, else 0.
