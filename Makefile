@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make demo` (generate text on the built-in model) and `make test`.
+# Two commands on a fresh machine: `make demo` (generate text on the trained demo model) and `make test`.
 # Both first run `setup`: a virtual environment, the Python dependencies, and the patched llama.cpp
 # (built once per set of inputs and cached in ~/.cache/sparq-cpp, so a second run takes seconds).
 PYTHON ?= python3
