@@ -1,5 +1,5 @@
-"""The committed demo models (models/austen.q8_0.gguf, MHA, and austen-gqa.q8_0.gguf): each loads, writes text like its training text,
-and copies across a long context. llama.cpp only: no torch needed."""
+"""The committed demo models (models/austen.q8_0.gguf, MHA, and austen-gqa.q8_0.gguf): each loads,
+writes text like its training text, and copies across a long context. llama.cpp only: no torch."""
 from __future__ import annotations
 
 import re
