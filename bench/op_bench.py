@@ -8,21 +8,15 @@ the time per layer is the median over repeats of (graph time / L).
 
 Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16), per head:
 dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
-the first d elements of each K row, which the Loki op gets already rotated). The machine's read bandwidth is measured with a small
-multi-threaded C loop (numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with
+the first d elements of each K row, which the Loki op gets already rotated). The machine's read bandwidth is measured as the end-to-end
+bench measures it (bench/machine.py: a small multi-threaded C loop, numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with
 SPARQ_CPP_LIB_DIR pointing at a patched build).
 """
 from __future__ import annotations
 
-import ctypes
 import json
-import os
-import shutil
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import click
 import numpy as np
@@ -30,69 +24,13 @@ import numpy as np
 from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bench import machine
 
-_BW_SRC = r"""
-#include <immintrin.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-typedef struct { const float * p; size_t n; double s; } job_t;
-static void * run(void * a) {
-    job_t * j = (job_t *) a; const float * p = j->p; size_t n = j->n;
-#if defined(__AVX512F__)
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (size_t i = 0; i + 64 <= n; i += 64) {
-        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
-        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32)); s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
-    }
-    j->s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
-#else
-    float s = 0; for (size_t i = 0; i < n; ++i) s += p[i]; j->s = s;
-#endif
-    return 0;
-}
-double bw(size_t bytes, int nth, int reps) {
-    size_t n = bytes / sizeof(float);
-    float * p = aligned_alloc(64, n * sizeof(float));
-    for (size_t i = 0; i < n; ++i) p[i] = 1.0f;
-    double best = 0;
-    for (int r = 0; r < reps; ++r) {
-        pthread_t t[64]; job_t j[64];
-        struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
-        for (int k = 0; k < nth; ++k) { j[k].p = p + k * (n / nth); j[k].n = n / nth; pthread_create(&t[k], 0, run, &j[k]); }
-        for (int k = 0; k < nth; ++k) pthread_join(t[k], 0);
-        clock_gettime(CLOCK_MONOTONIC, &b);
-        double s = (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
-        double g = bytes / s / 1e9; if (g > best) best = g;
-    }
-    free(p);
-    return best;
-}
-"""
-
-
-def measure_bandwidth(n_threads: int = 2, nbytes: int = 1 << 30, reps: int = 5) -> tuple[float, str]:
-    """Best-of-reps read bandwidth in GB/s over an nbytes array, and how it was measured."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc:
-        with tempfile.TemporaryDirectory() as d:
-            src, so = Path(d) / "bw.c", Path(d) / "bw.so"
-            src.write_text(_BW_SRC)
-            r = subprocess.run([cc, "-O2", "-march=native", "-shared", "-fPIC", "-pthread", str(src), "-o", str(so)],
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                f = ctypes.CDLL(str(so)).bw
-                f.restype, f.argtypes = ctypes.c_double, [ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-                return f(nbytes, n_threads, reps), f"C loop, {n_threads} threads, {nbytes >> 20} MiB"
-    a = np.ones(nbytes // 4, dtype=np.float32)
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a.sum()
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    return best, f"numpy sum, 1 thread, {nbytes >> 20} MiB"
+def measure_bandwidth(n_threads: int = 2, nbytes: int = 1 << 30) -> tuple[float, str]:
+    """Best-of-passes read bandwidth in GB/s and how it was measured: the end-to-end bench's measurement
+    (bench/machine.py), so both benchmarks hold their kernels against the same number."""
+    bw = machine.measure_bandwidth(n_threads, nbytes)
+    return bw["best_gbs"], f"{bw['method']}, {nbytes >> 20} MiB, best of {len(bw['passes_gbs'])} passes"
 
 
 def bytes_dense(n, D, n_head_kv, ts=2):
