@@ -126,6 +126,28 @@ def test_parameter_sweep(r, top_k, l_mode):
     assert_close(y, ref, TOL["f16"])
 
 
+@pytest.mark.parametrize("boost", [30.0, 400.0])
+@pytest.mark.parametrize("g", [1, 4])
+def test_scores_far_above_the_first_block(boost, g):
+    """A few keys whose approximate scores exceed those of their chunk's first cells by `boost`: the
+    AVX2 kernel takes exp(score - max of the first block) while scoring, so +30 runs through that
+    path with large exponentials, and +400 (exp would overflow) through its fallback (score again,
+    then the exponentials). Both must still match the reference."""
+    rng = np.random.default_rng(int(boost) + g)
+    D, n_kv, n_head_kv = 64, 2500, 2
+    q, k, v = make_qkv(rng, 1, n_head_kv * g, n_head_kv, D, n_kv)
+    k *= 0.1
+    for h in range(n_head_kv):
+        qa = q[0, h * g:(h + 1) * g].sum(axis=0)
+        for cell in (300, 700, 1500, 2400):  # in chunks 0, 0, 1, 2 (1024 cells each), not in their first 64 cells
+            x = np.sign(qa) * np.abs(qa) ** 2
+            k[cell, h] = x * boost / np.abs(qa @ x / np.sqrt(D) / g)
+    seq, pos = make_cache(rng, n_kv)
+    mask = make_mask(rng, seq, pos, 1)
+    y, ref = run_both(q, k, v, mask, pos, 16, 64, 16, kv_type="f16")
+    assert_close(y, ref, TOL["f16"])
+
+
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("mean_value", [True, False])
 def test_sequences_holes_shuffled_batches(kv_type, mean_value):
