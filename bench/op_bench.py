@@ -8,9 +8,10 @@ the time per layer is the median over repeats of (graph time / L).
 
 Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16), per head:
 dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
-the first d elements of each K row, which the Loki op gets already rotated). The machine's read bandwidth is measured as the end-to-end
-bench measures it (bench/machine.py: a small multi-threaded C loop, numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with
-SPARQ_CPP_LIB_DIR pointing at a patched build).
+the first d elements of each K row, which the Loki op gets already rotated). The machine's read
+bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded
+C loop, numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
+pointing at a patched build).
 """
 from __future__ import annotations
 
