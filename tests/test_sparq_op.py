@@ -148,6 +148,70 @@ def test_scores_far_above_the_first_block(boost, g):
     assert_close(y, ref, TOL["f16"])
 
 
+# MHA (g = 1), 8 kv heads: with at least 4 (row, kv head) items per thread the kernel gives each thread whole kv
+# heads (scoring, selection and exact attention of a head on one thread); with fewer (one query row, 3 threads) it
+# splits the (kv head, chunk) pairs of the row between the threads and selects after a barrier. Both schedules
+# must select the same cells: the results are bit-identical for 1, 2 and 3 threads, and match the reference.
+
+
+def mha_case(seed, n_kv, kind="random", n_q=1):
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv(rng, n_q, 8, 8, 128, n_kv, kind)
+    seq, pos = make_cache(rng, n_kv, n_seq=2, hole_frac=0.05, shuffle=True)
+    mask = make_mask(rng, seq, pos, n_q, n_seq=2)
+    return q, k, v, mask, pos
+
+
+@pytest.mark.parametrize("kind", ["random", "planted"])
+@pytest.mark.parametrize("top_k,l", [(1, 0), (64, 16), (128, 32), (300, 0), (1500, 375)])
+def test_mha_per_head_selection_matches_reference(kind, top_k, l):
+    q, k, v, mask, pos = mha_case(41 + top_k, 6000, kind, n_q=2)
+    y, ref = run_both(q, k, v, mask, pos, 16, top_k, l, kv_type="f16")
+    assert_close(y, ref, TOL["f16"])
+    scale = 1.0 / np.sqrt(128)
+    ys = [go.sparq_attn(q, k, v, mask, pos, scale, 16, top_k, l, True, n_threads=nt) for nt in (1, 2, 3)]
+    assert np.array_equal(ys[0], ys[1])
+    assert np.array_equal(ys[0], ys[2])
+
+
+def test_mha_rising_scores_and_ties():
+    """Scores that rise with the cell index and a run of 600 equal keys (more equal scores than top_k, so
+    ties, broken by position, decide part of the selection): the per-head and the split schedules select the
+    same cells."""
+    rng = np.random.default_rng(43)
+    n_kv, D = 6000, 128
+    q, k, v, mask, pos = mha_case(43, n_kv)
+    ramp = np.linspace(0.0, 3.0, n_kv)[:, None, None]
+    k = k * 0.2 + ramp * np.sign(q[0])[None] / np.sqrt(D)
+    k[2000:2600] = k[2000]  # 600 equal keys, more than top_k, among the high scores
+    k[2000:2600] += 0.5 * np.sign(q[0])[None]
+    pos = np.arange(n_kv, dtype=np.int32)
+    rng.shuffle(pos)
+    mask = np.ones((1, n_kv), dtype=bool)
+    scale = 1.0 / np.sqrt(D)
+    for top_k, l in ((128, 32), (400, 0)):
+        ys = [go.sparq_attn(q, k, v, mask, pos, scale, 16, top_k, l, True, n_threads=nt) for nt in (1, 2, 3)]
+        assert np.array_equal(ys[0], ys[1])
+        assert np.array_equal(ys[0], ys[2])
+
+
+def test_mha_scores_that_underflow():
+    """A few keys far above the rest (+200 in the score: the others' softmax weights underflow to 0 in f32, so
+    the selection past those few goes by position): the per-head and the split schedules select the same cells."""
+    n_kv, D = 5000, 128
+    q, k, v, mask, pos = mha_case(47, n_kv)
+    k *= 0.1
+    for h in range(8):
+        x = np.sign(q[0, h]) * np.abs(q[0, h]) ** 2
+        for cell in (100, 1900, 4500):
+            k[cell, h] = x * 200.0 / np.abs(q[0, h] @ x / np.sqrt(D))
+    mask[:, [100, 1900, 4500]] = True
+    scale = 1.0 / np.sqrt(D)
+    ys = [go.sparq_attn(q, k, v, mask, pos, scale, 16, 128, 32, True, n_threads=nt) for nt in (1, 2, 3)]
+    assert np.array_equal(ys[0], ys[1])
+    assert np.array_equal(ys[0], ys[2])
+
+
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("mean_value", [True, False])
 def test_sequences_holes_shuffled_batches(kv_type, mean_value):
