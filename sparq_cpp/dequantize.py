@@ -12,7 +12,6 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import open_gguf
 from sparq_cpp.outfile import atomic_write, check_writable
 
-_SKIP = ("GGUF.", "general.architecture")  # the reader's own fields; the writer adds the architecture
 _FILE_TYPE_ALL_F32 = 0
 
 
@@ -33,8 +32,8 @@ def dequantize_gguf(src, out, progress=None) -> Path:
     def write(tmp: Path) -> None:
         w = gguf.GGUFWriter(tmp, arch)
         for name, field in reader.fields.items():
-            if name.startswith(_SKIP[0]) or name == _SKIP[1]:
-                continue
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue  # the reader's own fields; the writer adds the architecture
             if name == "general.file_type":
                 w.add_uint32(name, _FILE_TYPE_ALL_F32)
             elif field.types[0] == gguf.GGUFValueType.ARRAY:
