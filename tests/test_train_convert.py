@@ -354,3 +354,56 @@ def test_cli_converts(tmp_path, ckpt):
     r = CliRunner().invoke(cli, ["convert", str(ckpt), "--outtype", "q8_0", "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert "n_head_kv 2" in r.output and out.is_file()
+
+
+@pytest.mark.parametrize("n_head_kv,tied", [(4, False), (2, False), (2, True)], ids=["mha", "gqa", "gqa-tied"])
+def test_gguf_imports_back_to_the_same_weights(tmp_path, n_head_kv, tied):
+    """A converted model read back for training (--init MODEL.gguf): the same geometry and, from an
+    f32 file, the same weights bit for bit (the q/k permutation undone); from q8_0, within its rounding."""
+    from sparq_cpp.train.from_gguf import load_model
+    from sparq_cpp.train.run import TrainArgs, _warm_start, geometry
+
+    src = _random_model(n_head_kv, tied)
+    ckpt = hf.save(src, tmp_path / "ckpt")
+    ref = src.hf_state_dict()
+    for outtype, tol in (("f32", 0.0), ("q8_0", 0.02)):
+        back = load_model(convert(ckpt, tmp_path / f"m.{outtype}.gguf", outtype))
+        assert back.config == src.config
+        got = back.hf_state_dict()
+        assert got.keys() == ref.keys()
+        for name, w in ref.items():
+            err = (got[name] - w).abs().max().item() / w.abs().max().item()
+            assert err <= tol, f"{outtype} {name}: max |diff| / max |w| = {err:.2e}"
+    path = str(tmp_path / "m.f32.gguf")
+    flags = dict.fromkeys(["n_vocab", "n_embd", "n_head", "n_head_kv", "n_layer", "n_ff"])
+    g = geometry(flags, path)
+    assert g["n_head_kv"] == n_head_kv and g["n_embd"] == 64
+    model, init = _warm_start(TrainArgs(out=str(tmp_path / "out"), init=path, ctx=64, **g))
+    assert init["checkpoint"] == path
+    assert torch.equal(model.model.layers[1].self_attn.k_proj.weight, src.model.layers[1].self_attn.k_proj.weight)
+
+
+def test_gguf_import_refuses_other_architectures(tmp_path):
+    import gguf
+    from sparq_cpp.train.from_gguf import load_model
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(path, "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SparqError, match="only 'llama' models"):
+        load_model(path)
+
+
+def test_rand_vocab_draws_few_distinct_words():
+    from sparq_cpp.train.tasks import TaskBuilder
+
+    builder = TaskBuilder([[np.array([400, 401], np.int32)]], _WordTokenizer().encode, 1, rand_vocab=(4, 8))
+    rng = np.random.default_rng(0)
+    sizes = {len(set(builder._words(rng, 200, 200).tolist())) for _ in range(50)}
+    assert min(sizes) >= 4 and max(sizes) <= 8 and len(sizes) > 1
+    with pytest.raises(SparqError, match="vocabulary sizes"):
+        TaskBuilder([[np.array([400], np.int32)]], _WordTokenizer().encode, 1, rand_vocab=(1, 8))

@@ -34,8 +34,8 @@ def fetch(deb):
 
 @cli.command()
 @click.option("--out", required=True, metavar="DIR", help="Checkpoint directory (Hugging Face layout).")
-@click.option("--init", default=None, metavar="DIR",
-              help="Warm-start from this checkpoint; its geometry is kept (the flags below must agree), "
+@click.option("--init", default=None, metavar="DIR|MODEL.gguf",
+              help="Warm-start from this checkpoint or GGUF Llama model (dequantized); its geometry is kept (the flags below must agree), "
                    "except that a smaller --n-head-kv mean-pools its KV heads (GQA uptraining).")
 @click.option("--n-vocab", type=int, default=None, help="[default: 2048]")
 @click.option("--n-embd", type=int, default=None, help="[default: 256]")
@@ -54,6 +54,9 @@ def fetch(deb):
               default="repeat", show_default=True,
               help="How a random-word sequence repeats its passage: back to back; as runs from random places "
                    "(no fixed look-back distance works); half of each; or as copied passages in text.")
+@click.option("--rand-vocab", default=None, metavar="N|LO:HI",
+              help="Random-word passages draw from N distinct words (LO:HI: a size log-uniform in that range, "
+                   "per passage) instead of all 232: repeated words force copying to match several words back.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
 @click.option("--bf16", is_flag=True, help="Matmuls in bfloat16 (autocast; weights and optimizer stay float32): "
@@ -65,12 +68,13 @@ def fetch(deb):
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def train(out, deb, init, **kw):
     """Train from scratch or from --init; writes a checkpoint (with training.json) at every evaluation."""
-    from sparq_cpp.train.run import GEOMETRY, TrainArgs, geometry, parse_fraction_ramp, train as run
+    from sparq_cpp.train.run import GEOMETRY, TrainArgs, geometry, parse_fraction_ramp, parse_size_range, train as run
 
     kw.update(geometry({k: kw.pop(k) for k in GEOMETRY}, init))
     if kw["n_embd"] % kw["n_head"] or kw["n_head"] % kw["n_head_kv"]:
         raise SparqError("n-embd must divide by n-head, and n-head by n-head-kv")
     kw["p_rand"], kw["p_rand_end"] = parse_fraction_ramp(kw["p_rand"])
+    kw["rand_vocab"] = parse_size_range(kw["rand_vocab"]) if kw["rand_vocab"] else None
     command = "python -m sparq_cpp.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     run(TrainArgs(out=out, init=init, **kw), command=command, deb=deb)
 

@@ -42,6 +42,7 @@ class TrainArgs:
     p_rand: float = 0.0
     p_rand_end: float | None = None  # p_rand moves linearly to this over the steps
     rand_layout: str = "repeat"  # data.RAND_LAYOUTS
+    rand_vocab: tuple[int, int] | None = None  # random passages draw from this many words (log-uniform), not all
     init: str | None = None
     bf16: bool = False  # matmuls in bfloat16 under autocast (weights and optimizer stay float32)
     stop_at: int | None = None  # end after this step (with a checkpoint), the schedule still that of `steps`
@@ -56,7 +57,7 @@ def geometry(flags: dict, init: str | None) -> dict:
     checkpoint's (its KV heads are then mean-pooled in groups)."""
     if init is None:
         return {k: GEOMETRY[k] if v is None else v for k, v in flags.items()}
-    c = hf.load_config(init)
+    c = _init_config(init)
     ck = {"n_vocab": c.vocab_size, "n_embd": c.hidden_size, "n_head": c.num_attention_heads,
           "n_head_kv": c.num_key_value_heads, "n_layer": c.num_hidden_layers, "n_ff": c.intermediate_size}
     for k, v in flags.items():
@@ -68,10 +69,27 @@ def geometry(flags: dict, init: str | None) -> dict:
     return {k: ck[k] if flags[k] is None else flags[k] for k in ck}
 
 
+def _is_gguf(init: str) -> bool:
+    return Path(init).is_file() and str(init).endswith(".gguf")
+
+
+def _init_config(init: str) -> LlamaConfig:
+    if _is_gguf(init):
+        from sparq_cpp.gguf_check import open_gguf
+        from sparq_cpp.train.from_gguf import config_of
+        return config_of(open_gguf(Path(init)))
+    return hf.load_config(init)
+
+
 def _warm_start(args: TrainArgs) -> tuple[LlamaForCausalLM, dict]:
-    """The --init checkpoint's model, with its KV heads mean-pooled down to args.n_head_kv if that is
-    fewer (GQA "uptraining", Ainslie et al. 2023), and what training.json records about it."""
-    src = hf.load(args.init)
+    """The --init checkpoint's model (a checkpoint directory, or a GGUF model: its weights as stored,
+    dequantized), with its KV heads mean-pooled down to args.n_head_kv if that is fewer (GQA
+    "uptraining", Ainslie et al. 2023), and what training.json records about it."""
+    if _is_gguf(args.init):
+        from sparq_cpp.train.from_gguf import load_model
+        src = load_model(args.init)
+    else:
+        src = hf.load(args.init)
     n_kv = src.config.num_key_value_heads
     sd = src.state_dict()
     if args.n_head_kv != n_kv:
@@ -97,6 +115,17 @@ def parse_fraction_ramp(text: str) -> tuple[float, float | None]:
     if len(vals) not in (1, 2) or not all(0 <= v <= 1 for v in vals):
         raise SparqError(f"--p-random wants a fraction in [0, 1] or START:END of two, not {text!r}")
     return vals[0], (vals[1] if len(vals) == 2 else None)
+
+
+def parse_size_range(text: str) -> tuple[int, int]:
+    """"N" -> (N, N); "LO:HI" -> (LO, HI)."""
+    try:
+        vals = [int(x) for x in str(text).split(":")]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or vals[0] > vals[-1]:
+        raise SparqError(f"--rand-vocab wants N or LO:HI (LO <= HI), not {text!r}")
+    return vals[0], vals[-1]
 
 
 def _p_rand(args: TrainArgs, step: int) -> float:
@@ -136,8 +165,8 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
     torch.manual_seed(args.seed)
     tok = Tokenizer(args.n_vocab)
     train_books, val_books = data.tokenized_books(tok, deb)
-    stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id), args.ctx + 1, args.seed,
-                         p_rand=args.p_rand, rand_layout=args.rand_layout)
+    stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id, rand_vocab=args.rand_vocab),
+                         args.ctx + 1, args.seed, p_rand=args.p_rand, rand_layout=args.rand_layout)
     val_builder = TaskBuilder(val_books, tok.encode, tok.bos_id)
     val_windows = data.text_windows(val_books, args.eval_ctx + 1, args.n_eval)
     eval_set = data.eval_samples(val_builder, args.eval_ctx, args.n_eval)

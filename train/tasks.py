@@ -52,7 +52,7 @@ class TaskBuilder:
     """
 
     def __init__(self, paragraphs: list[list[np.ndarray]], encode: Callable[[str], np.ndarray],
-                 bos_id: int = 1):
+                 bos_id: int = 1, rand_vocab: tuple[int, int] | None = None):
         self.books = [b for b in paragraphs if b]
         self.encode, self.bos_id = encode, bos_id
         self._sep = np.array([NL, NL], np.int32)
@@ -60,6 +60,9 @@ class TaskBuilder:
         # tokenized back to the same ids
         words = (encode(" " + w) for w in _COMMON_WORDS.split())
         self.word_ids = np.array(sorted({int(t[0]) for t in words if len(t) == 1}), np.int32)
+        if rand_vocab is not None and not 2 <= rand_vocab[0] <= rand_vocab[1] <= len(self.word_ids):
+            raise SparqError(f"random-word vocabulary sizes must be in [2, {len(self.word_ids)}], not {rand_vocab}")
+        self.rand_vocab = rand_vocab
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -96,8 +99,15 @@ class TaskBuilder:
         return np.concatenate(parts)[:n]
 
     def _words(self, rng, lo: int, hi: int) -> np.ndarray:
-        """lo..hi common words drawn uniformly at random (one token each)."""
-        return rng.choice(self.word_ids, size=int(rng.integers(lo, hi + 1)))
+        """lo..hi common words drawn uniformly at random (one token each); with rand_vocab, from a random
+        subset of them (its size log-uniform in rand_vocab): few distinct words make one word's
+        earlier occurrences ambiguous, so copying has to match several words back, as in text."""
+        words = self.word_ids
+        if self.rand_vocab is not None:
+            lo_v, hi_v = self.rand_vocab
+            v = int(np.exp(rng.uniform(np.log(lo_v), np.log(hi_v + 1))))
+            words = rng.choice(words, size=min(v, len(words)), replace=False)
+        return rng.choice(words, size=int(rng.integers(lo, hi + 1)))
 
     def _body(self, rng, n: int) -> tuple[np.ndarray, list[int]]:
         """n tokens of consecutive paragraphs and the offsets where paragraphs start."""
