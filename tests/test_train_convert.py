@@ -407,3 +407,16 @@ def test_rand_vocab_draws_few_distinct_words():
     assert min(sizes) >= 4 and max(sizes) <= 8 and len(sizes) > 1
     with pytest.raises(SparqError, match="vocabulary sizes"):
         TaskBuilder([[np.array([400], np.int32)]], _WordTokenizer().encode, 1, rand_vocab=(1, 8))
+
+
+def test_rand_text_repeats_passages_of_text():
+    """--rand-text: the chunk layout's passage is consecutive text from the books, not random words."""
+    from sparq_cpp.train.tasks import TaskBuilder
+
+    book = [np.arange(400 + 10 * i, 400 + 10 * i + 10, dtype=np.int32) for i in range(50)]
+    builder = TaskBuilder([book], _WordTokenizer().encode, 1, rand_text=True)
+    s = builder.shuffled_chunks(np.random.default_rng(0), 257, (40, 80))
+    (a, e), = [(a, e) for k, a, e in s.spans if k == "rand_first"]
+    flat = np.concatenate([x for p in book + book for x in (p, builder._sep)])  # passages may wrap around
+    passage = s.tokens[a - 1:e]
+    assert any(np.array_equal(flat[i:i + len(passage)], passage) for i in range(len(flat) - len(passage) + 1))

@@ -57,6 +57,8 @@ def fetch(deb):
 @click.option("--rand-vocab", default=None, metavar="N|LO:HI",
               help="Random-word passages draw from N distinct words (LO:HI: a size log-uniform in that range, "
                    "per passage) instead of all 232: repeated words force copying to match several words back.")
+@click.option("--rand-text", is_flag=True,
+              help="The --p-random sequences repeat passages of training text instead of random words (same layouts).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads.")
 @click.option("--bf16", is_flag=True, help="Matmuls in bfloat16 (autocast; weights and optimizer stay float32): "

@@ -43,6 +43,7 @@ class TrainArgs:
     p_rand_end: float | None = None  # p_rand moves linearly to this over the steps
     rand_layout: str = "repeat"  # data.RAND_LAYOUTS
     rand_vocab: tuple[int, int] | None = None  # random passages draw from this many words (log-uniform), not all
+    rand_text: bool = False  # the "random-word" passages are passages of text instead
     init: str | None = None
     bf16: bool = False  # matmuls in bfloat16 under autocast (weights and optimizer stay float32)
     stop_at: int | None = None  # end after this step (with a checkpoint), the schedule still that of `steps`
@@ -165,7 +166,8 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
     torch.manual_seed(args.seed)
     tok = Tokenizer(args.n_vocab)
     train_books, val_books = data.tokenized_books(tok, deb)
-    stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id, rand_vocab=args.rand_vocab),
+    stream = data.Stream(TaskBuilder(train_books, tok.encode, tok.bos_id, rand_vocab=args.rand_vocab,
+                                     rand_text=args.rand_text),
                          args.ctx + 1, args.seed, p_rand=args.p_rand, rand_layout=args.rand_layout)
     val_builder = TaskBuilder(val_books, tok.encode, tok.bos_id)
     val_windows = data.text_windows(val_books, args.eval_ctx + 1, args.n_eval)

@@ -52,7 +52,7 @@ class TaskBuilder:
     """
 
     def __init__(self, paragraphs: list[list[np.ndarray]], encode: Callable[[str], np.ndarray],
-                 bos_id: int = 1, rand_vocab: tuple[int, int] | None = None):
+                 bos_id: int = 1, rand_vocab: tuple[int, int] | None = None, rand_text: bool = False):
         self.books = [b for b in paragraphs if b]
         self.encode, self.bos_id = encode, bos_id
         self._sep = np.array([NL, NL], np.int32)
@@ -63,6 +63,7 @@ class TaskBuilder:
         if rand_vocab is not None and not 2 <= rand_vocab[0] <= rand_vocab[1] <= len(self.word_ids):
             raise SparqError(f"random-word vocabulary sizes must be in [2, {len(self.word_ids)}], not {rand_vocab}")
         self.rand_vocab = rand_vocab
+        self.rand_text = rand_text
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -102,6 +103,8 @@ class TaskBuilder:
         """lo..hi common words drawn uniformly at random (one token each); with rand_vocab, from a random
         subset of them (its size log-uniform in rand_vocab): few distinct words make one word's
         earlier occurrences ambiguous, so copying has to match several words back, as in text."""
+        if self.rand_text:  # passages of text instead: its common tokens recur, as they do in the text tasks
+            return self._passage(rng, lo, hi)
         words = self.word_ids
         if self.rand_vocab is not None:
             lo_v, hi_v = self.rand_vocab
