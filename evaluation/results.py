@@ -29,7 +29,39 @@ def summarize(records) -> list[dict]:
                      "k": (ks[0] if len(ks) == 1 else f"{ks[0]}-{ks[-1]}") if ks else None,
                      "params": rs[0]["params"], "seconds": sum(r["seconds"] for r in rs)})
     rows.sort(key=lambda x: (x["task"], x["method"] != "dense", x["method"], -x["target"]))
+    _add_paired(rows, records)
     return rows
+
+
+def _add_paired(rows, records) -> None:
+    """rows[i]["vs_dense"]: the method's score minus dense's on the same samples (mean, its standard
+    error, and the mean relative to dense's mean over those samples). The samples are shared, so the
+    paired difference is far less noisy than the two means' own errors suggest."""
+    dense = defaultdict(dict)
+    for r in records:
+        if r["method"].split("@")[0] == "dense":
+            dense[(r["task"], r["backend"])].setdefault(r["sample"], r["score"])
+    by_key = defaultdict(list)
+    for r in records:
+        by_key[(r["task"], r["method"], r["target"])].append(r)
+    for row in rows:
+        if row["method"].split("@")[0] == "dense":
+            continue
+        rs = by_key[(row["task"], row["method"], row["target"])]
+        # dense of the same backend if there is one (llama.cpp's against llama.cpp's), else any dense
+        base = dense.get((row["task"], rs[0]["backend"])) or next(
+            (d for (t, _), d in dense.items() if t == row["task"]), None)
+        pairs = [(r["score"], base[r["sample"]]) for r in rs if base and r["sample"] in base]
+        n = len(pairs)
+        if n == 0:
+            continue
+        diffs = [a - b for a, b in pairs]
+        mean = sum(diffs) / n
+        sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (n - 1)) if n > 1 else 0.0
+        dmean = sum(b for _, b in pairs) / n
+        row["vs_dense"] = {"n": n, "diff": mean, "stderr": sd / math.sqrt(n) if n > 1 else 0.0,
+                           "rel": mean / dmean if dmean else None,
+                           "same": sum(a == b for a, b in pairs)}
 
 
 def grid(records) -> list[dict]:
@@ -71,6 +103,16 @@ def format_table(doc: dict) -> str:
             if i == 0:
                 out.append("  ".join("-" * w for w in widths))
         out.append("")
+        paired = [r for r in trs if "vs_dense" in r]
+        if paired:
+            out.append(f"{task} against dense on the same samples: mean difference +- standard error "
+                       "(relative to dense), samples scored the same as dense")
+            for r in paired:
+                v = r["vs_dense"]
+                rel = f" ({v['rel']:+.1%})" if v["rel"] is not None else ""
+                out.append(f"  {r['method']} at {_fmt_target(r['target'])}: {v['diff']:+.4g} +- {v['stderr']:.2g}{rel}, "
+                           f"{v['same']} of {v['n']} the same")
+            out.append("")
     for s in doc.get("skipped", []):
         out.append(f"skipped: {s['reason']}")
     return "\n".join(out).rstrip() + "\n"

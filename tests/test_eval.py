@@ -140,6 +140,28 @@ def test_scoring_rules():
     assert tasks.score_generation(kv, "abc-12") == 0.0
 
 
+def test_paired_difference_against_dense():
+    def rec(method, target, sample, score, backend="llama"):
+        return {"task": "repetition", "sample": f"s{sample}", "method": method, "backend": backend, "target": target,
+                "params": {}, "score": score, "ratio": target, "seconds": 0.0}
+    dense = [10.0, 20.0, 30.0, 40.0]
+    sparse = [11.0, 20.0, 33.0, 40.0]       # diffs 1, 0, 3, 0
+    h2o = [0.0, 2.0, 3.0, 1.0]              # reference backend: paired with llama.cpp's dense (no dense@ref)
+    records = ([rec("dense", 1.0, i, x) for i, x in enumerate(dense)]
+               + [rec("sparq", 0.125, i, x) for i, x in enumerate(sparse)]
+               + [rec("h2o", 0.125, i, x, "ref") for i, x in enumerate(h2o)])
+    rows = {r["method"]: r for r in results.summarize(records)}
+    assert "vs_dense" not in rows["dense"]
+    v = rows["sparq"]["vs_dense"]
+    assert v["n"] == 4 and v["same"] == 2
+    assert v["diff"] == pytest.approx(1.0)
+    assert v["stderr"] == pytest.approx(np.std([1, 0, 3, 0], ddof=1) / 2)
+    assert v["rel"] == pytest.approx(1.0 / 25.0)
+    assert rows["h2o"]["vs_dense"]["diff"] == pytest.approx(-23.5)
+    table = results.format_table({"summary": list(rows.values())})
+    assert "sparq at 1/8: +1 +- 0.71 (+4.0%), 2 of 4 the same" in table
+
+
 def test_user_files_are_read(models, tmp_path):
     tok = tasks.Tokenizer(models["tiny"])
     needle = tmp_path / "needle.txt"
