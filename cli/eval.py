@@ -2,6 +2,7 @@
 baselines (reference), as a table per task, a JSON file of every sample and the paper-style plot."""
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import click
@@ -67,6 +68,8 @@ def _data(items):
 @click.option("--lengths", default="512,1024", show_default=True, help="needle / kv: prompt lengths in tokens.")
 @click.option("--depths", default="0,0.5,1", show_default=True, help="needle / kv: depths (0 = start, 1 = end).")
 @click.option("--r", "sparq_r", type=int, default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
+@click.option("--local", "sparq_local", default="1/4", show_default=True,
+              help="SparQ: the most recent positions kept (l) as a share of k, in [0, 1].")
 @click.option("--d", "loki_d", type=int, default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
 @click.option("--mean-value/--no-mean-value", default=None,
               help="SparQ's mean-value reallocation (default: on for MHA, off for GQA models, as in the paper).")
@@ -83,7 +86,7 @@ def _data(items):
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
 def command(gguf, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
-            sparq_r, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
+            sparq_r, sparq_local, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
             progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
     needle in a haystack, key-value retrieval, copying a paragraph of random words. The reference (exact top-k, H2O, LM-Infinite, and any
@@ -100,6 +103,12 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
                     ("--max-new", max_new), ("--copy-words", copy_words)):
         if v < 1:
             raise SparqError(f"{name} must be >= 1, got {v}")
+    try:
+        local_share = float(Fraction(str(sparq_local)))
+    except (ValueError, ZeroDivisionError):
+        raise SparqError(f"--local must be a number or fraction like 1/4, got {sparq_local!r}") from None
+    if not 0 <= local_share <= 1:
+        raise SparqError(f"--local must be in [0, 1] (a share of k), got {sparq_local}")
     if context < 2:
         raise SparqError("--context must be at least 2 tokens")
     task_names = [t.strip() for t in task_list.split(",") if t.strip()]
@@ -114,7 +123,7 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
-        data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, loki_d=loki_d,
+        data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_d=loki_d,
         mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress)
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     doc["summary"] = results.summarize(doc["records"])

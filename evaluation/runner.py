@@ -35,6 +35,7 @@ class EvalConfig:
     threads: int | None = None
     sparq_r: int | None = None
     loki_d: int | None = None
+    sparq_local: float = 0.25         # SparQ's l as a share of k
     mean_value: bool | None = None     # None: on for MHA, off for GQA (the paper's choice)
     loki_projection: str | None = None
     seed: int = 0
@@ -173,7 +174,7 @@ def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model):
 
 def _run_one(session, spec, target, sample, tok, D, cfg, mean_value, skipped):
     S = len(sample.prompt)
-    params = sweep.settings(spec.method, target, S, D, r=cfg.sparq_r, d=cfg.loki_d)
+    params = sweep.settings(spec.method, target, S, D, r=cfg.sparq_r, d=cfg.loki_d, local=cfg.sparq_local)
     if params is None:
         reason = f"{spec.label} cannot reach compression {target:g} at S={S} (D={D})"
         if not any(s.get("method") == spec.label and s.get("target") == target and s.get("task") == sample.task
@@ -235,7 +236,7 @@ def _config_doc(cfg: EvalConfig, mean_value: bool) -> dict:
     return {"model_path": str(cfg.model_path), "tasks": list(cfg.tasks), "methods": [m.label for m in cfg.methods],
             "ratios": list(cfg.ratios), "task": dataclasses.asdict(cfg.task_cfg),
             "data": {k: str(v) for k, v in cfg.data.items()}, "cache_type": cfg.cache_type,
-            "sparq_r": cfg.sparq_r, "loki_d": cfg.loki_d, "mean_value": mean_value,
+            "sparq_r": cfg.sparq_r, "sparq_local": cfg.sparq_local, "loki_d": cfg.loki_d, "mean_value": mean_value,
             "loki_projection": cfg.loki_projection, "seed": cfg.seed}
 
 

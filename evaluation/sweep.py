@@ -2,7 +2,7 @@
 
 Per method (D the head size; dense reads 2*S*D + 2*D per KV head and step):
 - sparq: r = round(target * D) (unless fixed), so ranking takes about half the budget; k from the
-  rest: S*r + 2*k*D + 4*D = target * dense; l = k/4. If k < 1, r shrinks.
+  rest: S*r + 2*k*D + 4*D = target * dense; l = k/4 (unless another share is given). If k < 1, r shrinks.
 - loki: the same with d for r and 2*D for 4*D.
 - h2o: 2*k*D + 2*D + 2*S = target * dense; l = k/4.
 - lm-infinite: 2*k*D + 2*D = target * dense; needs k > 16 (its first 16 positions).
@@ -52,8 +52,10 @@ def _split_rank(target, S, D, extra, fixed):
     return None
 
 
-def settings(method: str, target: float, S: int, D: int, *, r: int | None = None, d: int | None = None) -> dict | None:
-    """Parameters of `method` for `target` at S visible positions, or None if out of reach."""
+def settings(method: str, target: float, S: int, D: int, *, r: int | None = None, d: int | None = None,
+             local: float = 0.25) -> dict | None:
+    """Parameters of `method` for `target` at S visible positions, or None if out of reach. `local`: SparQ's
+    l as a share of k (SPEC.md's default 1/4)."""
     if method not in METHODS:
         raise SparqError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if method == "dense":
@@ -66,7 +68,7 @@ def settings(method: str, target: float, S: int, D: int, *, r: int | None = None
         if got is None:
             return None
         rank, k = got
-        return {"r" if method == "sparq" else "d": rank, "k": k, "l": k // 4 if method == "sparq" else 0}
+        return {"r" if method == "sparq" else "d": rank, "k": k, "l": int(k * local) if method == "sparq" else 0}
     if method == "h2o":
         k = int((budget - 2 * D - 2 * S) // (2 * D))
         return {"k": k, "l": k // 4} if k >= 1 else None

@@ -116,6 +116,9 @@ def test_sweep_settings_follow_spec_formulas():
     assert p["r"] == 16 and p["l"] == p["k"] // 4
     assert sweep.ratio_over_steps("sparq", p, [S], D) == pytest.approx(1 / 8, rel=0.01)
     assert sweep.settings("sparq", 1 / 8, S, D, r=8)["r"] == 8
+    assert sweep.settings("sparq", 1 / 8, S, D, local=0)["l"] == 0
+    p = sweep.settings("sparq", 1 / 8, S, D, local=0.5)
+    assert p["l"] == p["k"] // 2
     for m in ("h2o", "lm-infinite", "loki"):
         p = sweep.settings(m, 1 / 16, S, D)
         assert sweep.ratio_over_steps(m, p, [S], D) == pytest.approx(1 / 16, rel=0.02), m
@@ -268,6 +271,8 @@ def _one_error_line(proc, *needles):
 def test_cli(models, tmp_path):
     m = str(models["tiny"])
     _one_error_line(_cli("--gguf", m, "--methods", "dense,magic"), "unknown method 'magic'")
+    _one_error_line(_cli("--gguf", m, "--local", "3/2"), "--local must be in [0, 1]")
+    _one_error_line(_cli("--gguf", m, "--local", "half"), "--local must be a number")
     _one_error_line(_cli("--gguf", m, "--tasks", "bpc", "--context", "9000"), "longer than the model's context")
     bad = tmp_path / "n.txt"
     bad.write_text("no header at all\n")
