@@ -871,6 +871,15 @@ def _primary(results: list) -> dict:
     return out
 
 
+def _round_speedups(base: dict, rec: dict) -> list | None:
+    """The speed-up within each round (both modes were timed in the same window of that round): how far
+    the machine's state moves it between rounds, which pooling the steps hides."""
+    rb, rr = base.get("rounds") or [], rec.get("rounds") or []
+    if len(rb) < 2 or len(rb) != len(rr):
+        return None
+    return [b["median_s"] / r["median_s"] for b, r in zip(rb, rr)]
+
+
 def summarize(results: list, bandwidth_gbs: float) -> list:
     """Per (depth, mode): speed-up over the faster f16 dense baseline, its bandwidth bound, the
     fraction reached, and the latency the bandwidth alone would give (bytes / bandwidth)."""
@@ -891,6 +900,7 @@ def summarize(results: list, bandwidth_gbs: float) -> list:
                 row["speedup"] = b["median_s"] / r["median_s"]
                 row["bound"] = b["bytes"]["total"] / r["bytes"]["total"]
                 row["fraction_of_bound"] = row["speedup"] / row["bound"]
+                row["speedup_rounds"] = _round_speedups(b, r)
             rows.append(row)
     return rows
 
@@ -918,9 +928,11 @@ def format_table(doc: dict) -> str:
              + (f", in each of {doc['config']['rounds']} rounds, pooled" if doc['config'].get('rounds', 1) > 1 else ""),
              f"speed-up: over the faster of {', '.join(BASELINE_MODES)} ('base'); bound: bytes(base) / bytes(mode); "
              f"others: CPU share other processes used meanwhile; kept: undisturbed steps used / steps taken "
-             f"(! = machine busy throughout, all steps used)",
+             f"(! = machine busy throughout, all steps used)"
+             + ("; rounds: the smallest and largest speed-up of a single round" if doc['config'].get('rounds', 1) > 1 else ""),
              f"{'S':>5}  {'mode':<11} {'fill':<9} {'median ms':>9} {'IQR ms':>15} {'min-max ms':>15} "
-             f"{'MB/token':>9} {'GB/s':>6} {'speed-up':>8} {'bound':>6} {'of bound':>8} {'others':>6} {'kept':>6}"]
+             f"{'MB/token':>9} {'GB/s':>6} {'speed-up':>8} {'bound':>6} {'of bound':>8} {'others':>6} {'kept':>6}"
+             + (f" {'rounds':>11}" if doc['config'].get('rounds', 1) > 1 else "")]
     for r in doc["results"]:
         s = summ.get((r["depth"], r["mode"]))
         primary = s is not None and s["fill"] == r["fill"]
@@ -933,7 +945,9 @@ def format_table(doc: dict) -> str:
         kept = f"{r.get('n_used', n_all)}/{n_all}" + ("" if r.get("stats_from", "undisturbed").startswith("undisturbed") else "!")
         lines.append(f"{fmt_depth(r['depth']):>5}  {r['mode']:<11} {r['fill']:<9} {1e3 * r['median_s']:>9.1f} "
                      f"{1e3 * r['q1_s']:>7.1f}-{1e3 * r['q3_s']:<7.1f} {1e3 * r['min_s']:>7.1f}-{1e3 * r['max_s']:<7.1f} "
-                     f"{r['bytes']['total'] / 1e6:>9.0f} {r['effective_gbs']:>6.1f} {sp:>8} {bd:>6} {fr:>8} {oth:>6} {kept:>6}")
+                     f"{r['bytes']['total'] / 1e6:>9.0f} {r['effective_gbs']:>6.1f} {sp:>8} {bd:>6} {fr:>8} {oth:>6} {kept:>6}"
+                     + (f" {min(s['speedup_rounds']):>5.2f}-{max(s['speedup_rounds']):.2f}x"
+                        if primary and s.get("speedup_rounds") else ""))
     if doc.get("fill_agreement"):
         lines.append("")
         lines.append("fill agreement (decode latency after a real prefill vs after the synthetic state load):")

@@ -338,6 +338,9 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
         s = summ[256, "sparq"]
         assert s["speedup"] > 0 and s["bound"] > 0 and s["baseline"] in ("dense-fa", "dense-nofa")
         assert s["fraction_of_bound"] == pytest.approx(s["speedup"] / s["bound"])
+        base = {r["mode"]: r for r in data["results"] if r["depth"] == 256 and r["fill"] == "synthetic"}
+        want = [b["median_s"] / x["median_s"] for b, x in zip(base[s["baseline"]]["rounds"], base["sparq"]["rounds"])]
+        assert s["speedup_rounds"] == pytest.approx(want) and len(want) == 2
     if HAS_LOKI:
         assert data["loki_basis"].startswith("synthetic")
         assert [r["attention"]["mode"] for r in data["results"] if r["mode"] == "loki"] == [2] * 4
@@ -347,6 +350,9 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
     table = e2e.format_table(doc)
     assert "median ms" in table and "fill agreement" in table and "2 rounds" in table
+    if HAS_SPARSE:
+        lo, hi = min(s["speedup_rounds"]), max(s["speedup_rounds"])
+        assert f"{lo:>5.2f}-{hi:.2f}x" in table
 
 
 def test_rounds_pool_their_steps():
@@ -366,6 +372,14 @@ def test_rounds_pool_their_steps():
     assert "round" not in p and len(p["rounds"]) == 3 and len(p["samples_s"]) == 9 and p["fill_s"] == 3.0
     assert [r["median_s"] for r in p["rounds"]] == [1.1, 3.1, 1.15]
     assert p["n_used"] == 8 and p["median_s"] == pytest.approx(1.175) and p["effective_gbs"] == pytest.approx(1 / 1.175)
+
+
+def test_round_speedups_pair_rounds_of_one_window():
+    def rec(medians):
+        return {"rounds": [{"median_s": m} for m in medians]}
+    assert e2e._round_speedups(rec([2.0, 3.0, 4.0]), rec([1.0, 2.0, 2.0])) == [2.0, 1.5, 2.0]
+    assert e2e._round_speedups(rec([2.0]), rec([1.0])) is None            # one round: the pooled speed-up says it all
+    assert e2e._round_speedups(rec([2.0, 3.0]), rec([1.0, 2.0, 2.0])) is None
 
 
 def test_memory_is_checked_before_the_model_is_written(tmp_path, monkeypatch):
