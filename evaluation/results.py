@@ -30,7 +30,32 @@ def summarize(records) -> list[dict]:
                      "params": rs[0]["params"], "seconds": sum(r["seconds"] for r in rs)})
     rows.sort(key=lambda x: (x["task"], x["method"] != "dense", x["method"], -x["target"]))
     _add_paired(rows, records)
+    _add_backend_agreement(rows, records)
     return rows
+
+
+def _add_backend_agreement(rows, records) -> None:
+    """rows of METHOD@ref run beside METHOD (llama.cpp) get "vs_llama": how far llama.cpp's scores are
+    from the reference's on the same samples (the mean score's difference, the largest per-sample
+    difference) and, for generations, in how many samples the two produced the same tokens."""
+    by = defaultdict(dict)
+    for r in records:
+        by[(r["task"], r["method"], r["target"])][r["sample"]] = r
+    for row in rows:
+        method, _, backend = row["method"].partition("@")
+        if backend != "ref":
+            continue
+        ref = by[(row["task"], row["method"], row["target"])]
+        llama = by.get((row["task"], method, row["target"]), {})
+        common = [s for s in ref if s in llama]
+        if not common:
+            continue
+        diffs = [llama[s]["score"] - ref[s]["score"] for s in common]
+        gen = [s for s in common if "output_tokens" in ref[s] and "output_tokens" in llama[s]]
+        row["vs_llama"] = {"n": len(common), "mean_diff": sum(diffs) / len(diffs),
+                           "max_abs_diff": max(abs(d) for d in diffs),
+                           "same_tokens": sum(llama[s]["output_tokens"] == ref[s]["output_tokens"] for s in gen)
+                           if gen else None}
 
 
 def _add_paired(rows, records) -> None:
@@ -115,6 +140,16 @@ def format_table(doc: dict) -> str:
                 same = f", {v['same']} of {v['n']} the same" if generated else f", n={v['n']}"
                 out.append(f"  {r['method']} at {_fmt_target(r['target'])}: {v['diff']:+.4g} +- {v['stderr']:.2g}{rel}{same}")
             out.append("")
+    agree = [r for r in rows if "vs_llama" in r]
+    if agree:
+        out.append("llama.cpp against the reference (METHOD against METHOD@ref, same samples and settings): "
+                   "difference of the mean score, largest difference of one sample, generations with the same tokens")
+        for r in agree:
+            v = r["vs_llama"]
+            same = f", same tokens in {v['same_tokens']} of {v['n']}" if v["same_tokens"] is not None else ""
+            out.append(f"  {r['task']} {r['method'].split('@')[0]} at {_fmt_target(r['target'])}: "
+                       f"{v['mean_diff']:+.2g}, max {v['max_abs_diff']:.2g}{same}")
+        out.append("")
     for s in doc.get("skipped", []):
         out.append(f"skipped: {s['reason']}")
     return "\n".join(out).rstrip() + "\n"

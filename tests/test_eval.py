@@ -165,6 +165,20 @@ def test_paired_difference_against_dense():
     assert "sparq at 1/8: +1 +- 0.71 (+4.0%), 2 of 4 the same" in table
 
 
+def test_llama_cpp_against_reference_summary():
+    def rec(method, sample, score, tokens, backend):
+        return {"task": "repetition", "sample": f"s{sample}", "method": method, "backend": backend, "target": 0.125,
+                "params": {}, "score": score, "ratio": 0.125, "seconds": 0.0, "output_tokens": tokens}
+    records = [rec("sparq", 0, 10.0, [1, 2, 3], "llama"), rec("sparq", 1, 20.0, [4, 5], "llama"),
+               rec("sparq@ref", 0, 10.0, [1, 2, 3], "ref"), rec("sparq@ref", 1, 17.0, [4, 6], "ref")]
+    rows = {r["method"]: r for r in results.summarize(records)}
+    assert "vs_llama" not in rows["sparq"]
+    v = rows["sparq@ref"]["vs_llama"]
+    assert v == {"n": 2, "mean_diff": 1.5, "max_abs_diff": 3.0, "same_tokens": 1}
+    table = results.format_table({"summary": list(rows.values())})
+    assert "repetition sparq at 1/8: +1.5, max 3, same tokens in 1 of 2" in table
+
+
 def test_user_files_are_read(models, tmp_path):
     tok = tasks.Tokenizer(models["tiny"])
     needle = tmp_path / "needle.txt"
