@@ -29,24 +29,24 @@ def summarize(records) -> list[dict]:
                      "k": (ks[0] if len(ks) == 1 else f"{ks[0]}-{ks[-1]}") if ks else None,
                      "params": rs[0]["params"], "seconds": sum(r["seconds"] for r in rs)})
     rows.sort(key=lambda x: (x["task"], x["method"] != "dense", x["method"], -x["target"]))
-    _add_paired(rows, records)
-    _add_backend_agreement(rows, records)
+    index = defaultdict(dict)  # (task, method, target) -> {sample: record}
+    for r in records:
+        index[(r["task"], r["method"], r["target"])][r["sample"]] = r
+    _add_paired(rows, records, index)
+    _add_backend_agreement(rows, index)
     return rows
 
 
-def _add_backend_agreement(rows, records) -> None:
+def _add_backend_agreement(rows, index) -> None:
     """rows of METHOD@ref run beside METHOD (llama.cpp) get "vs_llama": how far llama.cpp's scores are
     from the reference's on the same samples (the mean score's difference, the largest per-sample
     difference) and, for generations, in how many samples the two produced the same tokens."""
-    by = defaultdict(dict)
-    for r in records:
-        by[(r["task"], r["method"], r["target"])][r["sample"]] = r
     for row in rows:
         method, _, backend = row["method"].partition("@")
         if backend != "ref":
             continue
-        ref = by[(row["task"], row["method"], row["target"])]
-        llama = by.get((row["task"], method, row["target"]), {})
+        ref = index[(row["task"], row["method"], row["target"])]
+        llama = index.get((row["task"], method, row["target"]), {})
         common = [s for s in ref if s in llama]
         if not common:
             continue
@@ -58,7 +58,7 @@ def _add_backend_agreement(rows, records) -> None:
                            if gen else None}
 
 
-def _add_paired(rows, records) -> None:
+def _add_paired(rows, records, index) -> None:
     """rows[i]["vs_dense"]: the method's score minus dense's on the same samples (mean, its standard
     error, and the mean relative to dense's mean over those samples). The samples are shared, so the
     paired difference is far less noisy than the two means' own errors suggest."""
@@ -66,13 +66,10 @@ def _add_paired(rows, records) -> None:
     for r in records:
         if r["method"].split("@")[0] == "dense":
             dense[(r["task"], r["backend"])].setdefault(r["sample"], r["score"])
-    by_key = defaultdict(list)
-    for r in records:
-        by_key[(r["task"], r["method"], r["target"])].append(r)
     for row in rows:
         if row["method"].split("@")[0] == "dense":
             continue
-        rs = by_key[(row["task"], row["method"], row["target"])]
+        rs = list(index[(row["task"], row["method"], row["target"])].values())
         # dense of the same backend if there is one (llama.cpp's against llama.cpp's), else any dense
         base = dense.get((row["task"], rs[0]["backend"])) or next(
             (d for (t, _), d in dense.items() if t == row["task"]), None)
