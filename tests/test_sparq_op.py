@@ -112,7 +112,7 @@ def test_matches_reference(kind, D, g, kv_type):
     assert_close(y, ref, TOL[kv_type])
 
 
-@pytest.mark.parametrize("r", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("r", [1, 7, 8, 16, 32, 64])
 @pytest.mark.parametrize("top_k", [1, 7, 100, 700, 1100])
 @pytest.mark.parametrize("l_mode", ["0", "k/4", "k"])
 def test_parameter_sweep(r, top_k, l_mode):
