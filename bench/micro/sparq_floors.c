@@ -2,7 +2,9 @@
 // bench's setting), 8 layers' worth of buffers so nothing stays in the last-level cache.
 //   stream: the scoring pass, r = 16 of the 128 rows of K^T of every kv head (f16);
 //           mode 0: 64 cells of the 16 rows per step, prefetching 512 bytes ahead (the kernel's order),
-//           mode 1: each row from start to end, no prefetch
+//           mode 1: each row from start to end, no prefetch,
+//           mode 2: 1024-cell chunks, the rows 4 at a time, partial sums through a buffer, each row's next chunk
+//                   requested into L1 non-temporally (the kernel's order since patch 0014)
 //   gather: per kv head, k = 128 random cells' K and V rows (256 bytes of f16 each) at the 8 KiB cell stride of a
 //           llama.cpp cache; mode 0: every line requested first (prefetch), then read; mode 1: read, no prefetch
 // Build and run (needs AVX-512):
@@ -49,6 +51,34 @@ static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc)
             }
             acc = _mm512_add_ps(acc, _mm512_add_ps(_mm512_add_ps(y[0], y[1]), _mm512_add_ps(y[2], y[3])));
         }
+    } else if (mode == 2) {
+        enum { CHUNK = 1024, GROUP = 4 };
+        static __thread float e[CHUNK];
+        for (size_t i0 = 0; i0 < N_CELL; i0 += CHUNK) {
+            const int next = i0 + 2*CHUNK <= N_CELL;
+            for (size_t c0 = 0; c0 < R; c0 += GROUP) {
+                for (size_t i = i0; i < i0 + CHUNK; i += 64) {
+                    __m512 y[4];
+                    for (int u = 0; u < 4; u++) {
+                        y[u] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(e + (i - i0) + 16*u);
+                    }
+                    for (size_t c = c0; c < c0 + GROUP; c++) {
+                        const unsigned short * x = rows[c] + i;
+                        if (next) {
+                            __builtin_prefetch(x + CHUNK, 0, 0);
+                            __builtin_prefetch(x + CHUNK + 32, 0, 0);
+                        }
+                        for (int u = 0; u < 4; u++) {
+                            y[u] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x + 16*u))), w, y[u]);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++) {
+                        _mm512_storeu_ps(e + (i - i0) + 16*u, y[u]);
+                    }
+                }
+            }
+            acc = _mm512_add_ps(acc, _mm512_loadu_ps(e));
+        }
     } else {
         for (size_t c = 0; c < R; c++) {
             for (size_t i = 0; i < N_CELL; i += 16) {
@@ -88,7 +118,7 @@ static __m512 gather_head(const char * k_layer, const char * v_layer, size_t h, 
 int main(int argc, char ** argv) {
     const int gather = argc > 1 && strcmp(argv[1], "gather") == 0;
     if (argc < 2 || (!gather && strcmp(argv[1], "stream") != 0)) {
-        fprintf(stderr, "usage: %s stream|gather [MODE 0|1] [THREADS] [PASSES]\n", argv[0]);
+        fprintf(stderr, "usage: %s stream|gather [MODE 0|1|2] [THREADS] [PASSES]\n", argv[0]);
         return 2;
     }
     const int mode = argc > 2 ? atoi(argv[2]) : 0;
