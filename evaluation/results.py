@@ -37,10 +37,21 @@ def summarize(records) -> list[dict]:
     return rows
 
 
+def _parting(a: dict, b: dict) -> dict:
+    """Where two generations of one sample part: the step and the smaller of the two backends' margins
+    there (best logit minus the next best; None for records written before margins were kept)."""
+    ta, tb = a["output_tokens"], b["output_tokens"]
+    step = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+    ma, mb = a.get("output_margins"), b.get("output_margins")
+    margin = min(ma[step], mb[step]) if ma and mb and step < len(ma) and step < len(mb) else None
+    return {"sample": a["sample"], "step": step, "margin": margin}
+
+
 def _add_backend_agreement(rows, index) -> None:
     """rows of METHOD@ref run beside METHOD (llama.cpp) get "vs_llama": how far llama.cpp's scores are
     from the reference's on the same samples (the mean score's difference, the largest per-sample
-    difference) and, for generations, in how many samples the two produced the same tokens."""
+    difference) and, for generations, in how many samples the two produced the same tokens and, for
+    the others, where they part and how close the best two logits were there ("parted")."""
     for row in rows:
         method, _, backend = row["method"].partition("@")
         if backend != "ref":
@@ -56,6 +67,9 @@ def _add_backend_agreement(rows, index) -> None:
                            "max_abs_diff": max(abs(d) for d in diffs),
                            "same_tokens": sum(llama[s]["output_tokens"] == ref[s]["output_tokens"] for s in gen)
                            if gen else None}
+        if gen:
+            row["vs_llama"]["parted"] = [_parting(llama[s], ref[s]) for s in gen
+                                         if llama[s]["output_tokens"] != ref[s]["output_tokens"]]
 
 
 def _add_paired(rows, records, index) -> None:
@@ -144,6 +158,12 @@ def format_table(doc: dict) -> str:
         for r in agree:
             v = r["vs_llama"]
             same = f", same tokens in {v['same_tokens']} of {v['n']}" if v["same_tokens"] is not None else ""
+            parted = v.get("parted") or []
+            if parted:
+                where = [f"{p['sample']} at token {p['step']}"
+                         + (f", best two logits {p['margin']:.2g} apart" if p["margin"] is not None else "")
+                         for p in parted[:4]]
+                same += f" (parting: {'; '.join(where)}{'; ...' if len(parted) > 4 else ''})"
             out.append(f"  {r['task']} {r['method'].split('@')[0]} at {_fmt_target(r['target'])}: "
                        f"{v['mean_diff']:+.2g}, max {v['max_abs_diff']:.2g}{same}")
         out.append("")

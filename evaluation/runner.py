@@ -49,6 +49,15 @@ def _nll_bits(logits: np.ndarray, targets) -> np.ndarray:
     return (lse - x[np.arange(len(targets)), targets]) / LN2
 
 
+def _margin(logits: np.ndarray) -> float:
+    """How far the greedy token's logit is above the next best: where two backends' generations part, a
+    margin below their logits' rounding differences is a tie that either may break, not a disagreement."""
+    if len(logits) < 2:
+        return float("inf")
+    top2 = np.partition(np.asarray(logits, dtype=np.float64), -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
 def check_lengths(task: str, samples, n_ctx_train: int, model_name: str) -> None:
     for s in samples:
         if s.n_tokens > n_ctx_train:
@@ -198,17 +207,18 @@ def _run_one(session, spec, target, sample, tok, D, cfg, mean_value, skipped):
                    tokens=len(sample.target))
     else:
         logits = session.feed([sample.prompt[-1]])[-1]
-        out, steps = [], []
+        out, steps, margins = [], [], []
         while True:
             steps.append(S + len(out))
             t = int(np.argmax(logits))
             out.append(t)
+            margins.append(_margin(logits))
             if t == tok.eos or len(out) >= sample.max_new:
                 break
             logits = session.feed([t])[-1]
         text = tok.decode([t for t in out if t != tok.eos], prev=sample.prompt)
         rec.update(score=tasks.score_generation(sample, text), output=text, output_tokens=out,
-                   reference=sample.reference)
+                   output_margins=margins, reference=sample.reference)
     rec["ratio"] = sweep.ratio_over_steps(spec.method, params, steps, D)
     rec["seconds"] = time.perf_counter() - t0
     return rec

@@ -18,7 +18,7 @@ if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
 from sparq_cpp.errors import SparqError  # noqa: E402
-from sparq_cpp.evaluation import results, sweep, tasks  # noqa: E402
+from sparq_cpp.evaluation import results, runner, sweep, tasks  # noqa: E402
 from sparq_cpp.evaluation.methods import MethodSpec, parse_methods  # noqa: E402
 from sparq_cpp.evaluation.runner import EvalConfig, run  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
@@ -66,6 +66,9 @@ def test_llama_cpp_scores_equal_reference(models, preset):
             assert len(r["output_tokens"]) >= 8
             assert r["output_tokens"] == o["output_tokens"], (sample, method)
             assert r["score"] == o["score"]
+            # one margin per greedy token, and the two backends' margins close (the same logits)
+            assert len(r["output_margins"]) == len(r["output_tokens"]) and min(r["output_margins"]) >= 0
+            assert np.allclose(r["output_margins"], o["output_margins"], atol=1e-2)
     assert moved, "SparQ at 1/4 scored exactly like dense: the sparse path did not run"
     # the GQA model defaults to the paper's choice: no mean-value reallocation
     assert doc["config"]["mean_value"] is (preset == "tiny")
@@ -166,17 +169,33 @@ def test_paired_difference_against_dense():
 
 
 def test_llama_cpp_against_reference_summary():
-    def rec(method, sample, score, tokens, backend):
-        return {"task": "repetition", "sample": f"s{sample}", "method": method, "backend": backend, "target": 0.125,
-                "params": {}, "score": score, "ratio": 0.125, "seconds": 0.0, "output_tokens": tokens}
-    records = [rec("sparq", 0, 10.0, [1, 2, 3], "llama"), rec("sparq", 1, 20.0, [4, 5], "llama"),
-               rec("sparq@ref", 0, 10.0, [1, 2, 3], "ref"), rec("sparq@ref", 1, 17.0, [4, 6], "ref")]
+    def rec(method, sample, score, tokens, backend, margins=None):
+        r = {"task": "repetition", "sample": f"s{sample}", "method": method, "backend": backend, "target": 0.125,
+             "params": {}, "score": score, "ratio": 0.125, "seconds": 0.0, "output_tokens": tokens}
+        if margins is not None:
+            r["output_margins"] = margins
+        return r
+    records = [rec("sparq", 0, 10.0, [1, 2, 3], "llama", [1.0, 2.0, 3.0]), rec("sparq", 1, 20.0, [4, 5], "llama", [0.5, 3e-4]),
+               rec("sparq@ref", 0, 10.0, [1, 2, 3], "ref", [1.0, 2.0, 3.0]), rec("sparq@ref", 1, 17.0, [4, 6], "ref", [0.5, 2e-4])]
     rows = {r["method"]: r for r in results.summarize(records)}
     assert "vs_llama" not in rows["sparq"]
     v = rows["sparq@ref"]["vs_llama"]
-    assert v == {"n": 2, "mean_diff": 1.5, "max_abs_diff": 3.0, "same_tokens": 1}
+    # the second sample parts at its second token, where the smaller of the two margins is 2e-4
+    assert v == {"n": 2, "mean_diff": 1.5, "max_abs_diff": 3.0, "same_tokens": 1,
+                 "parted": [{"sample": "s1", "step": 1, "margin": 2e-4}]}
     table = results.format_table({"summary": list(rows.values())})
-    assert "repetition sparq at 1/8: +1.5, max 3, same tokens in 1 of 2" in table
+    assert ("repetition sparq at 1/8: +1.5, max 3, same tokens in 1 of 2 (parting: s1 at token 1, best two logits "
+            "0.0002 apart)") in table
+    # records from before margins were kept: where, without how close
+    for r in records:
+        r.pop("output_margins")
+    v = {r["method"]: r for r in results.summarize(records)}["sparq@ref"]["vs_llama"]
+    assert v["parted"] == [{"sample": "s1", "step": 1, "margin": None}]
+
+
+def test_generation_margin():
+    assert runner._margin(np.array([0.1, 2.5, 2.25, -1.0], dtype=np.float32)) == 0.25
+    assert runner._margin(np.array([3.0, 3.0])) == 0.0
 
 
 def test_user_files_are_read(models, tmp_path):
