@@ -10,7 +10,8 @@ Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16),
 dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
 the first d elements of each K row, which the Loki op gets already rotated). The machine's read
 bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded
-C loop, numpy fallback). Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
+C loop, numpy fallback), at the start and again at the end (a shared machine's bandwidth can move within
+minutes). The repeats of the sparse and dense graphs alternate. Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
 pointing at a patched build).
 """
 from __future__ import annotations
@@ -61,7 +62,6 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
     scale = 1.0 / np.sqrt(D)
     mask = np.ones((1, n_kv), dtype=bool)
     pos = np.arange(n_kv, dtype=np.int32)
-    res = {}
     with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd, go.Graph(n_tensors=32 * L) as gl:
         for _ in range(L):
             q = rng.standard_normal((1, n_head, D), dtype=np.float32)
@@ -85,15 +85,17 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
                 pl = gl.tensor(pos, "i32")
                 gl.output(gl.loki_attn(ql, cache.k, cache.v, ml, pl, scale, loki_d, k, loki_l), q.shape)
         graphs = [("sparq", gs), ("dense", gd)] + ([("loki", gl)] if loki_d else [])
-        for name, g in graphs:
+        for _, g in graphs:
             g.build(n_threads)
             g.compute(n_threads)  # warm-up
-            ts = []
-            for _ in range(reps):
+        # the repeats of the graphs alternate, so that a slow spell of a shared machine hits them alike
+        ts = {name: [] for name, _ in graphs}
+        for _ in range(reps):
+            for name, g in graphs:
                 t0 = time.perf_counter()
                 g.compute(n_threads)
-                ts.append((time.perf_counter() - t0) / L)
-            res[name] = (statistics.median(ts), min(ts))
+                ts[name].append((time.perf_counter() - t0) / L)
+        res = {name: (statistics.median(t), min(t)) for name, t in ts.items()}
     return res, L
 
 
@@ -147,8 +149,15 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
         row["speedup"], row["sparq_bw_frac"] = row["sparq_speedup"], row["sparq_bw_frac"]  # the names older JSON had
         rows.append(row)
         click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f}")
+    bw_end, _ = measure_bandwidth(threads)
+    for row in rows:
+        for m in methods:
+            row[f"{m}_bw_frac_end"] = row[f"{m}_gbs"] / bw_end
+    click.echo(f"read bandwidth at the end: {bw_end:.1f} GB/s (%bw above is against the {bw:.1f} GB/s of the start); "
+               "against the end's: " + ", ".join(f"{m} {100 * rows[-1][f'{m}_bw_frac_end']:.0f}%" for m in methods)
+               + f" at n_kv = {rows[-1]['n_kv']}" if rows else "")
     if json_out:
-        doc = dict(bandwidth_gbs=bw, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
+        doc = dict(bandwidth_gbs=bw, bandwidth_end_gbs=bw_end, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
                    loki_d=loki_d, loki_l=loki_l, threads=threads, rows=rows)
         atomic_write(json_out, lambda tmp: tmp.write_text(json.dumps(doc, indent=2)), "--json")
 

@@ -1,0 +1,43 @@
+"""bench/op_bench.py on a tiny geometry: it times the SparQ, Loki and flash-attention graphs, and
+writes a row per n_kv with the bytes SPEC.md's formulas give, and the bandwidth measured at the start
+and at the end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from sparq_cpp.bench import op_bench
+from sparq_cpp.pyext import ggml_ops as go
+
+if not go.has_sparq_attn() or not go.has_loki_attn():
+    pytest.skip("the ggml build has no ggml_sparq_attn / ggml_loki_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
+                allow_module_level=True)
+
+
+def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
+    measured = iter([40.0, 60.0])
+    monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (next(measured), "stub"))
+    out = tmp_path / "op.json"
+    res = CliRunner().invoke(op_bench.main, ["--n-kv", "256,512", "--n-head", "4", "--n-head-kv", "2", "-r", "8",
+                                             "-k", "32", "-l", "8", "--loki-d", "8", "--reps", "3",
+                                             "--mem-budget-gb", "0.001", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "read bandwidth at the end: 60.0 GB/s" in res.output
+    doc = json.loads(out.read_text())
+    assert doc["bandwidth_gbs"] == 40.0 and doc["bandwidth_end_gbs"] == 60.0
+    assert [r["n_kv"] for r in doc["rows"]] == [256, 512]
+    for row in doc["rows"]:
+        n = row["n_kv"]
+        assert row["layers"] == 2
+        # SPEC.md's transfer formulas, f16: per kv head n*r + 2*k*D + 4*D (SparQ), 2*n*D + 2*D (dense)
+        assert row["sparq_bytes"] == 2 * 2 * (n * 8 + 2 * 32 * 128 + 4 * 128)
+        assert row["dense_bytes"] == 2 * 2 * (2 * n * 128 + 2 * 128)
+        assert row["loki_bytes"] == 2 * 2 * (n * 8 + 2 * 32 * 128 + 2 * 128)
+        for m in ("sparq", "dense", "loki"):
+            assert 0 < row[f"{m}_min_s"] <= row[f"{m}_s"]
+        for m in ("sparq", "loki"):
+            assert row[f"{m}_bw_frac"] == pytest.approx(row[f"{m}_bytes"] / row[f"{m}_s"] / 1e9 / 40.0)
+            assert row[f"{m}_bw_frac_end"] == pytest.approx(row[f"{m}_bw_frac"] * 40.0 / 60.0)
+            assert row[f"{m}_speedup"] == pytest.approx(row["dense_s"] / row[f"{m}_s"])
