@@ -114,6 +114,13 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
 @click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, json_out):
+    try:
+        sizes = [int(x) for x in n_kvs.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{n_kvs!r}: a comma-separated list of cell counts, e.g. 1024,16384",
+                                 param_hint="--n-kv") from None
+    if any(n < 1 for n in sizes):
+        raise click.BadParameter(f"{n_kvs!r}: cell counts must be at least 1", param_hint="--n-kv")
     if not go.has_sparq_attn():
         raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
     if loki_d and not go.has_loki_attn():
@@ -130,7 +137,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
         head += f" {m + ' ms':>15} {'speedup':>8} {'%bw':>5} {'MB':>7}"
     click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10}")
     rows = []
-    for n in [int(x) for x in n_kvs.split(",")]:
+    for n in sizes:
         res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
                              loki_d=loki_d or None, loki_l=loki_l)
         td, td_min = res["dense"]
@@ -153,9 +160,10 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
     for row in rows:
         for m in methods:
             row[f"{m}_bw_frac_end"] = row[f"{m}_gbs"] / bw_end
+    last = rows[-1]
     click.echo(f"read bandwidth at the end: {bw_end:.1f} GB/s (%bw above is against the {bw:.1f} GB/s of the start); "
-               "against the end's: " + ", ".join(f"{m} {100 * rows[-1][f'{m}_bw_frac_end']:.0f}%" for m in methods)
-               + f" at n_kv = {rows[-1]['n_kv']}" if rows else "")
+               f"against the end's, at n_kv = {last['n_kv']}: "
+               + ", ".join(f"{m} {100 * last[f'{m}_bw_frac_end']:.0f}%" for m in methods))
     if json_out:
         doc = dict(bandwidth_gbs=bw, bandwidth_end_gbs=bw_end, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
                    loki_d=loki_d, loki_l=loki_l, threads=threads, rows=rows)

@@ -41,3 +41,10 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
             assert row[f"{m}_bw_frac"] == pytest.approx(row[f"{m}_bytes"] / row[f"{m}_s"] / 1e9 / 40.0)
             assert row[f"{m}_bw_frac_end"] == pytest.approx(row[f"{m}_bw_frac"] * 40.0 / 60.0)
             assert row[f"{m}_speedup"] == pytest.approx(row["dense_s"] / row[f"{m}_s"])
+
+
+@pytest.mark.parametrize("n_kv", ["", "1k", "0,512"])
+def test_bad_n_kv_is_a_clear_error(n_kv, monkeypatch):
+    monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (40.0, "stub"))
+    res = CliRunner().invoke(op_bench.main, ["--n-kv", n_kv])
+    assert res.exit_code == 2 and "--n-kv" in res.output, res.output
