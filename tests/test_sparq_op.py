@@ -195,6 +195,28 @@ def test_mha_rising_scores_and_ties():
         assert np.array_equal(ys[0], ys[2])
 
 
+def test_equal_query_sums_choose_the_lowest_components():
+    """|q| summed over the group is the same in every component, so SPEC's tie rule (the lower component first)
+    alone decides which r components rank the cells. The keys carry a strong signal in components 0..r-1 and an
+    opposite one in the others: any other choice ranks other cells, and the output moves far from the reference."""
+    rng = np.random.default_rng(53)
+    n_kv, D, r = 4000, 128, 16
+    q = np.ones((1, 8, D), dtype=np.float32)
+    q[..., 1::2] = -1.0
+    k = 0.1 * rng.standard_normal((n_kv, 8, D)).astype(np.float32)
+    hot = rng.choice(n_kv, size=64, replace=False)
+    cold = rng.choice(np.setdiff1d(np.arange(n_kv), hot), size=64, replace=False)
+    k[hot, :, :r] += 3.0 * q[0, :, :r]
+    k[cold, :, r:] += 3.0 * q[0, :, r:]
+    v = rng.standard_normal((n_kv, 8, D)).astype(np.float32)
+    v[hot] += 5.0
+    mask = np.ones((1, n_kv), dtype=bool)
+    pos = np.arange(n_kv, dtype=np.int32)
+    y, ref = run_both(q, k, v, mask, pos, r, 64, 0, kv_type="f16")
+    assert_close(y, ref, TOL["f16"])
+    assert y.mean() > 2.0  # the hot cells' values dominate: the first r components were the ones used
+
+
 def test_mha_scores_that_underflow():
     """A few keys far above the rest (+200 in the score: the others' softmax weights underflow to 0 in f32, so
     the selection past those few goes by position): the per-head and the split schedules select the same cells."""
