@@ -394,6 +394,27 @@ def test_unusable_lib_dir_raises_sparq_error(monkeypatch, tmp_path):
         go.lib()
 
 
+def test_tensor_data_gets_ggml_buffer_alignment():
+    # numpy aligns to 16 bytes, ggml's CPU buffers to 64: the cache rows must start where llama.cpp's would
+    import ctypes
+    vals = np.arange(4096, dtype=np.float16)
+
+    def at(offset):
+        raw = np.zeros(vals.nbytes + 128, np.uint8)
+        off = -raw.ctypes.data % 64 + offset
+        out = raw[off:off + vals.nbytes].view(np.float16)
+        out[...] = vals
+        return out
+
+    misaligned, aligned = at(16), at(0)
+    with go.Graph(n_tensors=4) as g:
+        t = g.tensor(misaligned, "f16")
+        assert t.contents.data % 64 == 0
+        got = np.ctypeslib.as_array((ctypes.c_uint16 * vals.size).from_address(t.contents.data))
+        assert np.array_equal(got, vals.view(np.uint16))
+        assert g.tensor(aligned, "f16").contents.data == aligned.ctypes.data  # no copy when already aligned
+
+
 # long contexts
 
 
