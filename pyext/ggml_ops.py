@@ -265,8 +265,9 @@ class Graph:
     # tensors
 
     def tensor(self, data: np.ndarray, type_name: str, ne: tuple[int, ...] | None = None):
-        """A tensor over ``data`` (already encoded for type_name). ne defaults to data.shape reversed
-        (for q8_0 the last axis is bytes: ne0 = bytes/34*32)."""
+        """A tensor over ``data`` (already encoded for type_name), or over a 64-byte aligned copy of it
+        where it is not aligned (see _aligned). ne defaults to data.shape reversed (for q8_0 the last axis
+        is bytes: ne0 = bytes/34*32)."""
         data = _aligned(np.ascontiguousarray(data))
         if ne is None:
             shape = list(data.shape[::-1])
