@@ -11,11 +11,14 @@ dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking
 the first d elements of each K row, which the Loki op gets already rotated). The machine's read
 bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded
 C loop, numpy fallback), at the start and again at the end (a shared machine's bandwidth can move within
-minutes). The repeats of the sparse and dense graphs alternate. Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
+minutes). The repeats of the sparse and dense graphs alternate. The caches are numpy buffers, which
+numpy backs with transparent huge pages where the kernel allows (``--pages 4k`` turns that off, as
+llama.cpp's cache is allocated). Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
 pointing at a patched build).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import time
@@ -33,6 +36,29 @@ def measure_bandwidth(n_threads: int = 2, nbytes: int = 1 << 30) -> tuple[float,
     (bench/machine.py), so both benchmarks hold their kernels against the same number."""
     bw = machine.measure_bandwidth(n_threads, nbytes)
     return bw["best_gbs"], f"{bw['method']}, {nbytes >> 20} MiB, best of {len(bw['passes_gbs'])} passes"
+
+
+def _numpy_huge_pages(on: bool) -> bool | None:
+    """Turn numpy's madvise(MADV_HUGEPAGE) for its large arrays on or off; the previous setting, None where
+    this numpy has no switch. numpy asks for transparent huge pages by default on Linux, so where the
+    kernel's THP mode is 'madvise' the bench's caches are on 2 MiB pages, while llama.cpp's cache
+    (ggml_aligned_malloc, no madvise) is on 4 KiB pages."""
+    for name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            mod = importlib.import_module(name)
+            return bool(mod._set_madvise_hugepage(on))
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode ('always', 'madvise', 'never'), or 'unknown'."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else "unknown"
 
 
 def bytes_dense(n, D, n_head_kv, ts=2):
@@ -112,8 +138,12 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reps", default=7, show_default=True)
 @click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
+@click.option("--pages", type=click.Choice(["huge", "4k"]), default="huge", show_default=True,
+              help="cache buffers: 'huge' leaves numpy's request for transparent huge pages on (2 MiB pages where "
+                   "the kernel's THP mode is 'madvise' or 'always'); '4k' turns it off, the pages llama.cpp's cache "
+                   "gets unless THP is 'always'")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, json_out):
+def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, pages, json_out):
     try:
         sizes = [int(x) for x in n_kvs.split(",")]
     except ValueError:
@@ -127,7 +157,19 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
         raise SparqError(f"ggml_loki_attn is missing from {go.lib_dir()}: build the patched ggml (or --loki-d 0)")
     if json_out:
         check_writable(json_out, "--json")  # now, not after the long run
+    huge_before = _numpy_huge_pages(pages == "huge")
+    if huge_before is None and pages == "4k":
+        raise click.BadParameter("this numpy has no switch for its huge-page requests", param_hint="--pages")
+    try:
+        _run(sizes, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, pages, json_out)
+    finally:
+        if huge_before is not None:
+            _numpy_huge_pages(huge_before)
+
+
+def _run(sizes, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, pages, json_out):
     bw, how = measure_bandwidth(threads)
+    click.echo(f"cache pages: {pages} (transparent huge pages: {_thp_mode()})")
     click.echo(f"read bandwidth: {bw:.1f} GB/s ({how})")
     click.echo("times are per layer: median of the repeats (min in brackets); speedup over dense and %bw "
                "(achieved GB/s / read bandwidth) from the medians")
@@ -166,7 +208,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                + ", ".join(f"{m} {100 * last[f'{m}_bw_frac_end']:.0f}%" for m in methods))
     if json_out:
         doc = dict(bandwidth_gbs=bw, bandwidth_end_gbs=bw_end, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
-                   loki_d=loki_d, loki_l=loki_l, threads=threads, rows=rows)
+                   loki_d=loki_d, loki_l=loki_l, threads=threads, pages=pages, thp_mode=_thp_mode(), rows=rows)
         atomic_write(json_out, lambda tmp: tmp.write_text(json.dumps(doc, indent=2)), "--json")
 
 

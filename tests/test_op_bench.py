@@ -43,6 +43,30 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
             assert row[f"{m}_speedup"] == pytest.approx(row["dense_s"] / row[f"{m}_s"])
 
 
+def test_pages_4k_turns_numpy_huge_pages_off_for_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (40.0, "stub"))
+    seen = []
+    real = op_bench.time_layers
+    monkeypatch.setattr(op_bench, "time_layers",
+                        lambda *a, **kw: (seen.append(op_bench._numpy_huge_pages(False)), real(*a, **kw))[1])
+    before = op_bench._numpy_huge_pages(True)
+    out = tmp_path / "op.json"
+    args = ["--n-kv", "256", "--n-head", "2", "--n-head-kv", "1", "-r", "8", "-k", "32", "-l", "8",
+            "--loki-d", "0", "--reps", "1", "--mem-budget-gb", "0.001", "--json", str(out)]
+    try:
+        res = CliRunner().invoke(op_bench.main, args + ["--pages", "4k"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["pages"] == "4k"
+        assert seen == [False]  # off while the caches were built (the probe turned it off itself: no change)
+        assert op_bench._numpy_huge_pages(True) is True  # restored after the run
+        seen.clear()
+        res = CliRunner().invoke(op_bench.main, args)
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["pages"] == "huge" and seen == [True]
+    finally:
+        op_bench._numpy_huge_pages(before)
+
+
 @pytest.mark.parametrize("n_kv", ["", "1k", "0,512"])
 def test_bad_n_kv_is_a_clear_error(n_kv, monkeypatch):
     monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (40.0, "stub"))
