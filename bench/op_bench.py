@@ -160,16 +160,11 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
     huge_before = _numpy_huge_pages(pages == "huge")
     if huge_before is None and pages == "4k":
         raise click.BadParameter("this numpy has no switch for its huge-page requests", param_hint="--pages")
-    try:
-        _run(sizes, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, pages, json_out)
-    finally:
-        if huge_before is not None:
-            _numpy_huge_pages(huge_before)
-
-
-def _run(sizes, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, pages, json_out):
+    if huge_before is not None:
+        click.get_current_context().call_on_close(lambda: _numpy_huge_pages(huge_before))  # also on errors
+    thp = _thp_mode()
     bw, how = measure_bandwidth(threads)
-    click.echo(f"cache pages: {pages} (transparent huge pages: {_thp_mode()})")
+    click.echo(f"cache pages: {pages} (transparent huge pages: {thp})")
     click.echo(f"read bandwidth: {bw:.1f} GB/s ({how})")
     click.echo("times are per layer: median of the repeats (min in brackets); speedup over dense and %bw "
                "(achieved GB/s / read bandwidth) from the medians")
@@ -208,7 +203,7 @@ def _run(sizes, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                + ", ".join(f"{m} {100 * last[f'{m}_bw_frac_end']:.0f}%" for m in methods))
     if json_out:
         doc = dict(bandwidth_gbs=bw, bandwidth_end_gbs=bw_end, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
-                   loki_d=loki_d, loki_l=loki_l, threads=threads, pages=pages, thp_mode=_thp_mode(), rows=rows)
+                   loki_d=loki_d, loki_l=loki_l, threads=threads, pages=pages, thp_mode=thp, rows=rows)
         atomic_write(json_out, lambda tmp: tmp.write_text(json.dumps(doc, indent=2)), "--json")
 
 

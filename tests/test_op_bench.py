@@ -44,11 +44,16 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
 
 
 def test_pages_4k_turns_numpy_huge_pages_off_for_the_run(tmp_path, monkeypatch):
+    multiarray = pytest.importorskip("numpy._core.multiarray")
     monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (40.0, "stub"))
-    seen = []
+    seen = []  # numpy's setting while the caches are built
     real = op_bench.time_layers
-    monkeypatch.setattr(op_bench, "time_layers",
-                        lambda *a, **kw: (seen.append(op_bench._numpy_huge_pages(False)), real(*a, **kw))[1])
+
+    def probe(*a, **kw):
+        seen.append(multiarray._get_madvise_hugepage())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(op_bench, "time_layers", probe)
     before = op_bench._numpy_huge_pages(True)
     out = tmp_path / "op.json"
     args = ["--n-kv", "256", "--n-head", "2", "--n-head-kv", "1", "-r", "8", "-k", "32", "-l", "8",
@@ -57,8 +62,8 @@ def test_pages_4k_turns_numpy_huge_pages_off_for_the_run(tmp_path, monkeypatch):
         res = CliRunner().invoke(op_bench.main, args + ["--pages", "4k"])
         assert res.exit_code == 0, res.output
         assert json.loads(out.read_text())["pages"] == "4k"
-        assert seen == [False]  # off while the caches were built (the probe turned it off itself: no change)
-        assert op_bench._numpy_huge_pages(True) is True  # restored after the run
+        assert seen == [False]
+        assert multiarray._get_madvise_hugepage() is True  # restored after the run
         seen.clear()
         res = CliRunner().invoke(op_bench.main, args)
         assert res.exit_code == 0, res.output
