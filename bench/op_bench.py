@@ -10,8 +10,9 @@ Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16),
 dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
 the first d elements of each K row, which the Loki op gets already rotated). The machine's read
 bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded
-C loop, numpy fallback), at the start and again at the end (a shared machine's bandwidth can move within
-minutes). The repeats of the sparse and dense graphs alternate. The caches are numpy buffers, which
+C loop, numpy fallback), at the start and after every n_kv, so each row also has the two measurements
+taken just before and just after it (a shared machine's bandwidth can move within minutes): %bw is
+against the start's figure, %adj against the higher of the row's two. The repeats of the sparse and dense graphs alternate. The caches are numpy buffers, which
 numpy backs with transparent huge pages where the kernel allows (``--pages 4k`` turns that off, as
 llama.cpp's cache is allocated). Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
 pointing at a patched build).
@@ -167,33 +168,39 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
     click.echo(f"cache pages: {pages} (transparent huge pages: {thp})")
     click.echo(f"read bandwidth: {bw:.1f} GB/s ({how})")
     click.echo("times are per layer: median of the repeats (min in brackets); speedup over dense and %bw "
-               "(achieved GB/s / read bandwidth) from the medians")
+               "(achieved GB/s / read bandwidth) from the medians; %adj: against the higher of the bandwidths "
+               "measured just before and just after the row (GB/s in the last column)")
     methods = ["sparq"] + (["loki"] if loki_d else [])
     head = f"{'n_kv':>6} {'L':>3} {'dense ms':>17}"
     for m in methods:
-        head += f" {m + ' ms':>15} {'speedup':>8} {'%bw':>5} {'MB':>7}"
-    click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10}")
+        head += f" {m + ' ms':>15} {'speedup':>8} {'%bw':>5} {'%adj':>5} {'MB':>7}"
+    click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10} {'GB/s before/after':>17}")
     rows = []
+    bw_before = bw
     for n in sizes:
         res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
                              loki_d=loki_d or None, loki_l=loki_l)
+        bw_after, _ = measure_bandwidth(threads)
+        bw_adj = max(bw_before, bw_after)
         td, td_min = res["dense"]
         nbytes = {"dense": bytes_dense(n, D, n_head_kv), "sparq": bytes_sparq(n, D, n_head_kv, r, k)}
         if loki_d:
             nbytes["loki"] = bytes_loki(n, D, n_head_kv, loki_d, k)
         row = dict(n_kv=n, layers=L, dense_s=td, dense_min_s=td_min, dense_bytes=nbytes["dense"],
-                   dense_gbs=nbytes["dense"] / td / 1e9)
+                   dense_gbs=nbytes["dense"] / td / 1e9, bandwidth_before_gbs=bw_before, bandwidth_after_gbs=bw_after)
         line = f"{n:>6} {L:>3} {td*1e3:>8.3f} ({td_min*1e3:>6.2f})"
         for m in methods:
             t, t_min = res[m]
             gbs = nbytes[m] / t / 1e9
             row.update({f"{m}_s": t, f"{m}_min_s": t_min, f"{m}_bytes": nbytes[m], f"{m}_gbs": gbs,
-                        f"{m}_speedup": td / t, f"{m}_bw_frac": gbs / bw})
-            line += f" {t*1e3:>6.3f} ({t_min*1e3:>5.2f}) {td / t:>7.1f}x {100 * gbs / bw:>4.0f}% {nbytes[m]/1e6:>7.2f}"
+                        f"{m}_speedup": td / t, f"{m}_bw_frac": gbs / bw, f"{m}_bw_frac_adj": gbs / bw_adj})
+            line += (f" {t*1e3:>6.3f} ({t_min*1e3:>5.2f}) {td / t:>7.1f}x {100 * gbs / bw:>4.0f}%"
+                     f" {100 * gbs / bw_adj:>4.0f}% {nbytes[m]/1e6:>7.2f}")
         row["speedup"], row["sparq_bw_frac"] = row["sparq_speedup"], row["sparq_bw_frac"]  # the names older JSON had
         rows.append(row)
-        click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f}")
-    bw_end, _ = measure_bandwidth(threads)
+        click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>8.1f}/{bw_after:<8.1f}")
+        bw_before = bw_after
+    bw_end = bw_before
     for row in rows:
         for m in methods:
             row[f"{m}_bw_frac_end"] = row[f"{m}_gbs"] / bw_end

@@ -1,6 +1,6 @@
 """bench/op_bench.py on a tiny geometry: it times the SparQ, Loki and flash-attention graphs, and
 writes a row per n_kv with the bytes SPEC.md's formulas give, and the bandwidth measured at the start
-and at the end."""
+and after every row (the last of those is the end's)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ if not go.has_sparq_attn() or not go.has_loki_attn():
 
 
 def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
-    measured = iter([40.0, 60.0])
+    measured = iter([40.0, 50.0, 60.0])  # start, after 256, after 512
     monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (next(measured), "stub"))
     out = tmp_path / "op.json"
     res = CliRunner().invoke(op_bench.main, ["--n-kv", "256,512", "--n-head", "4", "--n-head-kv", "2", "-r", "8",
@@ -28,6 +28,7 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert doc["bandwidth_gbs"] == 40.0 and doc["bandwidth_end_gbs"] == 60.0
     assert [r["n_kv"] for r in doc["rows"]] == [256, 512]
+    assert [(r["bandwidth_before_gbs"], r["bandwidth_after_gbs"]) for r in doc["rows"]] == [(40.0, 50.0), (50.0, 60.0)]
     for row in doc["rows"]:
         n = row["n_kv"]
         assert row["layers"] == 2
@@ -40,6 +41,8 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
         for m in ("sparq", "loki"):
             assert row[f"{m}_bw_frac"] == pytest.approx(row[f"{m}_bytes"] / row[f"{m}_s"] / 1e9 / 40.0)
             assert row[f"{m}_bw_frac_end"] == pytest.approx(row[f"{m}_bw_frac"] * 40.0 / 60.0)
+            # against the higher of the measurements just before and just after the row
+            assert row[f"{m}_bw_frac_adj"] == pytest.approx(row[f"{m}_bw_frac"] * 40.0 / row["bandwidth_after_gbs"])
             assert row[f"{m}_speedup"] == pytest.approx(row["dense_s"] / row[f"{m}_s"])
 
 
