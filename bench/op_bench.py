@@ -12,10 +12,10 @@ the first d elements of each K row, which the Loki op gets already rotated). The
 bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded
 C loop, numpy fallback), at the start and after every n_kv, so each row also has the two measurements
 taken just before and just after it (a shared machine's bandwidth can move within minutes): %bw is
-against the start's figure, %adj against the higher of the row's two. The repeats of the sparse and dense graphs alternate. The caches are numpy buffers, which
-numpy backs with transparent huge pages where the kernel allows (``--pages 4k`` turns that off, as
-llama.cpp's cache is allocated). Run: ``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR
-pointing at a patched build).
+against the start's figure, %adj against the higher of the row's two. The repeats of the sparse and
+dense graphs alternate. The caches are numpy buffers, which numpy backs with transparent huge pages
+where the kernel allows (``--pages 4k`` turns that off, as llama.cpp's cache is allocated). Run:
+``python -m sparq_cpp.bench.op_bench`` (with SPARQ_CPP_LIB_DIR pointing at a patched build).
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
     head = f"{'n_kv':>6} {'L':>3} {'dense ms':>17}"
     for m in methods:
         head += f" {m + ' ms':>15} {'speedup':>8} {'%bw':>5} {'%adj':>5} {'MB':>7}"
-    click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10} {'GB/s before/after':>17}")
+    click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10} {'GB/s before / after':>19}")
     rows = []
     bw_before = bw
     for n in sizes:
@@ -198,7 +198,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                      f" {100 * gbs / bw_adj:>4.0f}% {nbytes[m]/1e6:>7.2f}")
         row["speedup"], row["sparq_bw_frac"] = row["sparq_speedup"], row["sparq_bw_frac"]  # the names older JSON had
         rows.append(row)
-        click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>8.1f}/{bw_after:<8.1f}")
+        click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>9.1f} / {bw_after:.1f}")
         bw_before = bw_after
     bw_end = bw_before
     for row in rows:
