@@ -79,6 +79,14 @@ def _layers(n_kv, n_head_kv, D, budget):
     return int(max(2, min(16, budget // per_layer)))
 
 
+def random_layer(rng, n_kv, n_head, n_head_kv, D):
+    """One layer's query, K and V (standard normal, f32 [n_kv, n_head_kv, D]) and the mean of V."""
+    q = rng.standard_normal((1, n_head, D), dtype=np.float32)
+    kk = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
+    vv = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
+    return q, kk, vv, vv.mean(axis=0)[None].astype(np.float32)
+
+
 def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0,
                 loki_d=None, loki_l=0):
     """{"sparq"|"dense"|"loki": (median, min) seconds per layer} and the number of layers; Loki (on the
@@ -91,10 +99,7 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
     pos = np.arange(n_kv, dtype=np.int32)
     with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd, go.Graph(n_tensors=32 * L) as gl:
         for _ in range(L):
-            q = rng.standard_normal((1, n_head, D), dtype=np.float32)
-            kk = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
-            vv = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
-            vm = vv.mean(axis=0)[None].astype(np.float32)
+            q, kk, vv, vm = random_layer(rng, n_kv, n_head, n_head_kv, D)
             cache = go.KVCache(gs, kk, vv, "f16")
             del kk, vv
             qt = go.q_tensor(gs, q)

@@ -24,6 +24,7 @@ import time
 import click
 import numpy as np
 
+from sparq_cpp.bench.op_bench import random_layer
 from sparq_cpp.pyext import ggml_ops as go
 
 
@@ -34,10 +35,7 @@ def sparq_graph(g: go.Graph, n_kv: int, n_head: int, n_head_kv: int, D: int, r: 
     mask = np.ones((1, n_kv), dtype=bool)
     pos = np.arange(n_kv, dtype=np.int32)
     for _ in range(layers):
-        q = rng.standard_normal((1, n_head, D), dtype=np.float32)
-        kk = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
-        vv = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
-        vm = vv.mean(axis=0)[None].astype(np.float32)
+        q, kk, vv, vm = random_layer(rng, n_kv, n_head, n_head_kv, D)
         cache = go.KVCache(g, kk, vv, "f16")
         del kk, vv
         g.output(g.sparq_attn(go.q_tensor(g, q), cache.k, cache.kt, cache.v, go.mask_tensor(g, mask),
