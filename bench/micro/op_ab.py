@@ -79,7 +79,6 @@ def _alternate(g, evict, envs, passes, reps, layers, threads) -> list[list[float
     return times
 
 
-
 @click.command()
 @click.option("-v", "--variant", "variants", multiple=True, required=True,
               help="'-' (no variables) or NAME=VALUE[+NAME=VALUE...]; the first is the reference")
@@ -93,8 +92,10 @@ def _alternate(g, evict, envs, passes, reps, layers, threads) -> list[list[float
 def main(variants, n_kv, n_head_kv, layers, passes, reps, warm, threads):
     envs = [parse_variant(v) for v in variants]
     with contextlib.ExitStack() as stack:
-        graphs = [sparq_graph(stack.enter_context(go.Graph(n_tensors=32 * layers)), n_kv, 32, n_head_kv, 128, 16, 128,
-                              32, layers, seed, threads) for seed in ((0,) if warm else (0, 1))]
+        # the op bench's geometry: 32 query heads of D = 128, r = 16, k = 128, l = 32
+        graphs = [sparq_graph(stack.enter_context(go.Graph(n_tensors=32 * layers)), n_kv, n_head=32, n_head_kv=n_head_kv,
+                              D=128, r=16, k=128, l=32, layers=layers, seed=seed, n_threads=threads)
+                  for seed in ((0,) if warm else (0, 1))]
         times = _alternate(graphs[0], graphs[1] if len(graphs) > 1 else None, envs, passes, reps, layers, threads)
     for v, ts in zip(variants, times):
         ratios = sorted(b / a for a, b in zip(times[0], ts))
