@@ -4,7 +4,10 @@
 //           mode 0: 64 cells of the 16 rows per step, prefetching 512 bytes ahead (the kernel's order before patch 0014),
 //           mode 1: each row from start to end, no prefetch,
 //           mode 2: 1024-cell chunks, the rows 4 at a time, partial sums through a buffer, each row's next chunk
-//                   requested into L1 non-temporally (the kernel's order since patch 0014)
+//                   requested into L1 non-temporally (the kernel's order since patch 0014),
+//           mode 3: each row from start to end, 4 accumulators, no prefetch (what the hardware prefetchers carry),
+//           mode 4: mode 3, with each row's last 2048 cells requesting the next row's first 2048;
+//           ADJACENT=1 in the environment puts a kv head's 16 rows next to each other (one 512 KiB run)
 //   gather: per kv head, k = 128 random cells' K and V rows (256 bytes of f16 each) at the 8 KiB cell stride of a
 //           llama.cpp cache; mode 0: every line requested first (prefetch), then read; mode 1: read, no prefetch
 // Build and run (needs AVX-512):
@@ -31,11 +34,21 @@ static char * filled(size_t n) {
 }
 
 // one layer's scoring reads of kv head h: R rows of K^T (each N_CELL f16 values)
-static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc) {
+static int adjacent = -1;
+
+// the component rows a kv head's scoring reads: spread over the head's 128 rows, or (ADJACENT) its first 16
+static const unsigned short * kt_row(const char * kt_layer, size_t h, size_t c) {
     const size_t row = (size_t) N_CELL*2;
+    return (const unsigned short *) (kt_layer + h*D*row + (adjacent ? c : (c*7 + h) % D)*row);
+}
+
+static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc) {
+    if (adjacent < 0) {
+        adjacent = getenv("ADJACENT") != NULL && atoi(getenv("ADJACENT")) != 0;
+    }
     const unsigned short * rows[R];
     for (size_t c = 0; c < R; c++) {
-        rows[c] = (const unsigned short *) (kt_layer + h*D*row + ((c*7 + h) % D)*row);
+        rows[c] = kt_row(kt_layer, h, c);
     }
     const __m512 w = _mm512_set1_ps(0.5f);
     if (mode == 0) {
@@ -79,6 +92,23 @@ static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc)
             }
             acc = _mm512_add_ps(acc, _mm512_loadu_ps(e));
         }
+    } else if (mode == 3 || mode == 4) {
+        enum { AHEAD = 2048 };
+        __m512 y[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps() };
+        for (size_t c = 0; c < R; c++) {
+            // the row after this one: the next component, or the next kv head's first
+            const unsigned short * nx = c + 1 < R ? rows[c + 1] : kt_row(kt_layer, (h + 1) % H, 0);
+            for (size_t i = 0; i < N_CELL; i += 64) {
+                if (mode == 4 && i >= N_CELL - AHEAD) {
+                    __builtin_prefetch(nx + (i - (N_CELL - AHEAD)), 0, 3);
+                    __builtin_prefetch(nx + (i - (N_CELL - AHEAD)) + 32, 0, 3);
+                }
+                for (int u = 0; u < 4; u++) {
+                    y[u] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (rows[c] + i + 16*u))), w, y[u]);
+                }
+            }
+        }
+        acc = _mm512_add_ps(acc, _mm512_add_ps(_mm512_add_ps(y[0], y[1]), _mm512_add_ps(y[2], y[3])));
     } else {
         for (size_t c = 0; c < R; c++) {
             for (size_t i = 0; i < N_CELL; i += 16) {
@@ -118,7 +148,7 @@ static __m512 gather_head(const char * k_layer, const char * v_layer, size_t h, 
 int main(int argc, char ** argv) {
     const int gather = argc > 1 && strcmp(argv[1], "gather") == 0;
     if (argc < 2 || (!gather && strcmp(argv[1], "stream") != 0)) {
-        fprintf(stderr, "usage: %s stream|gather [MODE 0|1|2] [THREADS] [PASSES]\n", argv[0]);
+        fprintf(stderr, "usage: %s stream|gather [MODE 0-4] [THREADS] [PASSES]\n", argv[0]);
         return 2;
     }
     const int mode = argc > 2 ? atoi(argv[2]) : 0;
