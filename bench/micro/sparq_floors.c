@@ -7,7 +7,9 @@
 //                   requested into L1 non-temporally (the kernel's order since patch 0014),
 //           mode 3: each row from start to end, 4 accumulators, no prefetch (what the hardware prefetchers carry),
 //           mode 4: mode 3, with each row's last 2048 cells requesting the next row's first 2048;
-//           ADJACENT=1 in the environment puts a kv head's 16 rows next to each other (one 512 KiB run)
+//           ADJACENT=1 in the environment puts a kv head's 16 rows next to each other (one 512 KiB run);
+//           mode 2 reads CHUNK (default 1024, up to 16384), GROUP (4) and REQUEST_MASK (15: which rows of a group get
+//           requests) from the environment
 //   gather: per kv head, k = 128 random cells' K and V rows (256 bytes of f16 each) at the 8 KiB cell stride of a
 //           llama.cpp cache; mode 0: every line requested first (prefetch), then read; mode 1: read, no prefetch
 // Build and run (needs AVX-512):
@@ -35,6 +37,12 @@ static char * filled(size_t n) {
 
 // one layer's scoring reads of kv head h: R rows of K^T (each N_CELL f16 values)
 static int adjacent = -1;
+
+// a positive integer from the environment, or the default
+static int env_int(const char * name, int def) {
+    const char * v = getenv(name);
+    return v && atoi(v) > 0 ? atoi(v) : def;
+}
 
 // the component rows a kv head's scoring reads: spread over the head's 128 rows, or (ADJACENT) its first 16
 static const unsigned short * kt_row(const char * kt_layer, size_t h, size_t c) {
@@ -65,21 +73,21 @@ static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc)
             acc = _mm512_add_ps(acc, _mm512_add_ps(_mm512_add_ps(y[0], y[1]), _mm512_add_ps(y[2], y[3])));
         }
     } else if (mode == 2) {
-        enum { CHUNK = 1024, GROUP = 4 };
-        static __thread float e[CHUNK];
-        for (size_t i0 = 0; i0 < N_CELL; i0 += CHUNK) {
-            const int next = i0 + 2*CHUNK <= N_CELL;
-            for (size_t c0 = 0; c0 < R; c0 += GROUP) {
-                for (size_t i = i0; i < i0 + CHUNK; i += 64) {
+        static __thread float e[N_CELL];
+        const size_t chunk = env_int("CHUNK", 1024), group = env_int("GROUP", 4), requested = env_int("REQUEST_MASK", 15);
+        for (size_t i0 = 0; i0 < N_CELL; i0 += chunk) {
+            const int next = i0 + 2*chunk <= N_CELL;
+            for (size_t c0 = 0; c0 < R; c0 += group) {
+                for (size_t i = i0; i < i0 + chunk; i += 64) {
                     __m512 y[4];
                     for (int u = 0; u < 4; u++) {
                         y[u] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(e + (i - i0) + 16*u);
                     }
-                    for (size_t c = c0; c < c0 + GROUP; c++) {
+                    for (size_t c = c0; c < c0 + group && c < R; c++) {
                         const unsigned short * x = rows[c] + i;
-                        if (next) {
-                            __builtin_prefetch(x + CHUNK, 0, 0);
-                            __builtin_prefetch(x + CHUNK + 32, 0, 0);
+                        if (next && ((requested >> (c - c0)) & 1)) {
+                            __builtin_prefetch(x + chunk, 0, 0);
+                            __builtin_prefetch(x + chunk + 32, 0, 0);
                         }
                         for (int u = 0; u < 4; u++) {
                             y[u] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x + 16*u))), w, y[u]);
