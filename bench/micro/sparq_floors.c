@@ -35,7 +35,6 @@ static char * filled(size_t n) {
     return p;
 }
 
-// one layer's scoring reads of kv head h: R rows of K^T (each N_CELL f16 values)
 static int adjacent = -1;
 
 // a positive integer from the environment, or the default
@@ -50,6 +49,7 @@ static const unsigned short * kt_row(const char * kt_layer, size_t h, size_t c) 
     return (const unsigned short *) (kt_layer + h*D*row + (adjacent ? c : (c*7 + h) % D)*row);
 }
 
+// one layer's scoring reads of kv head h: R rows of K^T (each N_CELL f16 values)
 static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc) {
     if (adjacent < 0) {
         adjacent = getenv("ADJACENT") != NULL && atoi(getenv("ADJACENT")) != 0;
@@ -160,6 +160,11 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const int mode = argc > 2 ? atoi(argv[2]) : 0;
+    const int chunk = env_int("CHUNK", 1024);
+    if (!gather && mode == 2 && (chunk % 64 != 0 || N_CELL % chunk != 0)) {
+        fprintf(stderr, "CHUNK=%d: a multiple of 64 that divides %d\n", chunk, N_CELL);
+        return 2;
+    }
     const int nth  = argc > 3 ? atoi(argv[3]) : 2;
     const int passes = argc > 4 ? atoi(argv[4]) : 15;
     const size_t layer = (size_t) N_CELL*CELL_STRIDE; // K^T, K and V of a layer are each this large
