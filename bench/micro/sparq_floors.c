@@ -8,7 +8,7 @@
 //           mode 3: each row from start to end, 4 accumulators, no prefetch (what the hardware prefetchers carry),
 //           mode 4: mode 3, with each row's last 2048 cells requesting the next row's first 2048;
 //           ADJACENT=1 in the environment puts a kv head's 16 rows next to each other (one 512 KiB run);
-//           mode 2 reads CHUNK (default 1024, up to 16384), GROUP (4) and REQUEST_MASK (15: which rows of a group get
+//           mode 5: mode 2 with CHUNK (default 1024), GROUP (4) and REQUEST_MASK (15: which rows of a group get
 //           requests) from the environment
 //   gather: per kv head, k = 128 random cells' K and V rows (256 bytes of f16 each) at the 8 KiB cell stride of a
 //           llama.cpp cache; mode 0: every line requested first (prefetch), then read; mode 1: read, no prefetch
@@ -35,7 +35,11 @@ static char * filled(size_t n) {
     return p;
 }
 
-static int adjacent = -1;
+// settings from the environment, read once in main (not in the timed loops)
+static int    adjacent  = 0;    // ADJACENT
+static size_t chunk     = 1024; // CHUNK, mode 5
+static size_t group     = 4;    // GROUP, mode 5
+static int    requested = 15;   // REQUEST_MASK, mode 5
 
 // a positive integer from the environment, or the default
 static int env_int(const char * name, int def) {
@@ -51,9 +55,6 @@ static const unsigned short * kt_row(const char * kt_layer, size_t h, size_t c) 
 
 // one layer's scoring reads of kv head h: R rows of K^T (each N_CELL f16 values)
 static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc) {
-    if (adjacent < 0) {
-        adjacent = getenv("ADJACENT") != NULL && atoi(getenv("ADJACENT")) != 0;
-    }
     const unsigned short * rows[R];
     for (size_t c = 0; c < R; c++) {
         rows[c] = kt_row(kt_layer, h, c);
@@ -73,8 +74,35 @@ static __m512 stream_head(const char * kt_layer, size_t h, int mode, __m512 acc)
             acc = _mm512_add_ps(acc, _mm512_add_ps(_mm512_add_ps(y[0], y[1]), _mm512_add_ps(y[2], y[3])));
         }
     } else if (mode == 2) {
+        enum { CHUNK = 1024, GROUP = 4 };
+        static __thread float e[CHUNK];
+        for (size_t i0 = 0; i0 < N_CELL; i0 += CHUNK) {
+            const int next = i0 + 2*CHUNK <= N_CELL;
+            for (size_t c0 = 0; c0 < R; c0 += GROUP) {
+                for (size_t i = i0; i < i0 + CHUNK; i += 64) {
+                    __m512 y[4];
+                    for (int u = 0; u < 4; u++) {
+                        y[u] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(e + (i - i0) + 16*u);
+                    }
+                    for (size_t c = c0; c < c0 + GROUP; c++) {
+                        const unsigned short * x = rows[c] + i;
+                        if (next) {
+                            __builtin_prefetch(x + CHUNK, 0, 0);
+                            __builtin_prefetch(x + CHUNK + 32, 0, 0);
+                        }
+                        for (int u = 0; u < 4; u++) {
+                            y[u] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x + 16*u))), w, y[u]);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++) {
+                        _mm512_storeu_ps(e + (i - i0) + 16*u, y[u]);
+                    }
+                }
+            }
+            acc = _mm512_add_ps(acc, _mm512_loadu_ps(e));
+        }
+    } else if (mode == 5) { // mode 2 with CHUNK, GROUP and REQUEST_MASK (runtime bounds: a little slower than mode 2)
         static __thread float e[N_CELL];
-        const size_t chunk = env_int("CHUNK", 1024), group = env_int("GROUP", 4), requested = env_int("REQUEST_MASK", 15);
         for (size_t i0 = 0; i0 < N_CELL; i0 += chunk) {
             const int next = i0 + 2*chunk <= N_CELL;
             for (size_t c0 = 0; c0 < R; c0 += group) {
@@ -156,13 +184,16 @@ static __m512 gather_head(const char * k_layer, const char * v_layer, size_t h, 
 int main(int argc, char ** argv) {
     const int gather = argc > 1 && strcmp(argv[1], "gather") == 0;
     if (argc < 2 || (!gather && strcmp(argv[1], "stream") != 0)) {
-        fprintf(stderr, "usage: %s stream|gather [MODE 0-4] [THREADS] [PASSES]\n", argv[0]);
+        fprintf(stderr, "usage: %s stream|gather [MODE 0-5] [THREADS] [PASSES]\n", argv[0]);
         return 2;
     }
     const int mode = argc > 2 ? atoi(argv[2]) : 0;
-    const int chunk = env_int("CHUNK", 1024);
-    if (!gather && mode == 2 && (chunk % 64 != 0 || N_CELL % chunk != 0)) {
-        fprintf(stderr, "CHUNK=%d: a multiple of 64 that divides %d\n", chunk, N_CELL);
+    adjacent  = env_int("ADJACENT", 0) != 0;
+    chunk     = env_int("CHUNK", 1024);
+    group     = env_int("GROUP", 4);
+    requested = env_int("REQUEST_MASK", 15);
+    if (!gather && mode == 5 && (chunk % 64 != 0 || N_CELL % chunk != 0)) {
+        fprintf(stderr, "CHUNK=%zu: a multiple of 64 that divides %d\n", chunk, N_CELL);
         return 2;
     }
     const int nth  = argc > 3 ? atoi(argv[3]) : 2;
