@@ -175,12 +175,12 @@ def validate(cfg: BenchConfig) -> BenchConfig:
         raise SparqError(f"--loki-l: must be in 0..k ({cfg.k}), got {cfg.loki_l}")
     if cfg.loki_pca is not None and not Path(cfg.loki_pca).is_file():
         raise SparqError(f"--loki-pca: file not found: {cfg.loki_pca}")
-    threads = cfg.threads if cfg.threads is not None else _default_threads()
-    if threads < 1:
-        raise SparqError(f"--threads: must be >= 1, got {threads}")
-    cfg = replace(cfg, threads=threads)
+    from sparq_cpp.llm import check_threads
+
+    cfg = replace(cfg, threads=check_threads(cfg.threads if cfg.threads is not None else _default_threads()))
     if not 0 < cfg.mem_fraction <= 1:
         raise SparqError(f"--mem-fraction: must be in (0, 1], got {cfg.mem_fraction}")
+    _check_bandwidth_buffer(cfg)
     if cfg.disturbed_frac < 0:
         raise SparqError(f"--disturbed-frac: must be >= 0, got {cfg.disturbed_frac}")
     if cfg.max_extra_steps is not None and cfg.max_extra_steps < 0:
@@ -198,6 +198,17 @@ def validate(cfg: BenchConfig) -> BenchConfig:
     if cfg.plot_path is not None:
         cfg = replace(cfg, plot_path=check_writable(cfg.plot_path, "--plot"))
     return cfg
+
+
+def _check_bandwidth_buffer(cfg: BenchConfig) -> None:
+    """At least 1 MiB (a buffer of no pages reads at 0 GB/s, which every speed-up bound divides by),
+    and no more than the memory available."""
+    if cfg.bandwidth_bytes < MIB:
+        raise SparqError(f"--bandwidth-mib: must be >= 1, got {cfg.bandwidth_bytes / MIB:g}")
+    avail = machine.mem_available()  # 0: unknown
+    if avail and cfg.bandwidth_bytes > avail:
+        raise SparqError(f"--bandwidth-mib: {cfg.bandwidth_bytes // MIB} MiB is more than the memory available "
+                         f"({fmt_bytes(avail)})")
 
 
 def _default_threads() -> int:
@@ -420,7 +431,7 @@ def ensure_model(cfg: BenchConfig, path: Path, geo, log) -> ModelShape:
     if geo is not None:
         log(f"writing the synthetic model {path.name} ({fmt_bytes(shape_from_geometry(geo, cfg.wtype).weight_bytes)})")
         write_model(path, cfg.preset, layers=geo.n_layer, wtype=cfg.wtype, seed=0, progress=cfg.progress,
-                    n_ctx_train=BENCH_MODEL_CTX)
+                    make_parents=True, n_ctx_train=BENCH_MODEL_CTX)
     return shape_from_gguf(path)
 
 

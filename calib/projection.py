@@ -19,6 +19,7 @@ import numpy as np
 from sparq_cpp.outfile import atomic_write
 from sparq_cpp.calib.pca import VARIANTS, LokiPCA, explained_variance_ratio, rank_at
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import _field  # a metadata string that is not UTF-8 is a SparqError
 
 LOKI_VERSION = 1
 _SAMPLE_BYTES = 4096  # of each tensor's data, hashed into the fingerprint
@@ -47,11 +48,6 @@ def _reader(path):
         return gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises assorted errors on damaged files
         raise SparqError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 # ---- model identity ---------------------------------------------------------------------------
@@ -262,38 +258,45 @@ def read_projection(path, model_path=None, variant: str = "post") -> LokiProject
         raise SparqError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     path = Path(path)
     r = _reader(path)
-    version = _field(r, "loki.version")
-    if version is None:
+    if _field(r, "loki.version") is None:
         raise SparqError(f"{path} is not a Loki projection file (no loki.version key)")
-    if int(version) != LOKI_VERSION:
+    version = _int_field(r, path, "loki.version")
+    if version != LOKI_VERSION:
         raise SparqError(f"{path}: loki.version {version} is not supported (this code reads {LOKI_VERSION})")
     variants = _field(r, "loki.variants", [])
+    variants = variants if isinstance(variants, list) else []  # a list of names, nothing else
     if variant not in variants:
-        raise SparqError(f"{path} has no {variant!r} projection (it has {', '.join(variants) or 'none'})")
-    meta = {}
-    for key in ("n_layer", "n_head_kv", "head_dim", "calibration_tokens"):
-        value = _field(r, f"loki.{key}")
-        if value is None:
-            raise SparqError(f"{path}: missing key loki.{key}")
-        meta[key] = int(value)
+        raise SparqError(f"{path} has no {variant!r} projection (it has {', '.join(map(str, variants)) or 'none'})")
+    meta = {key: _int_field(r, path, f"loki.{key}") for key in ("n_layer", "n_head_kv", "head_dim", "calibration_tokens")}
     L, H, D = meta["n_layer"], meta["n_head_kv"], meta["head_dim"]
+    if min(L, H, D) < 1:
+        raise SparqError(f"{path}: loki.n_layer, loki.n_head_kv and loki.head_dim must be >= 1, got {L}, {H}, {D}")
     tensors = {t.name: t for t in r.tensors}
-    P = np.empty((L, H, D, D), np.float32)
-    var = np.empty((L, H, D), np.float32)
-    for il in range(L):
-        P[il] = np.swapaxes(_tensor(tensors, path, proj_name(il, variant), (H, D, D)), -1, -2)
-        var[il] = _tensor(tensors, path, var_name(il, variant), (H, D))
+    # stacked from the checked tensors: sizes from the metadata alone could ask for any amount of memory
+    P = np.ascontiguousarray(np.stack([np.swapaxes(_tensor(tensors, path, proj_name(il, variant), (H, D, D)), -1, -2)
+                                       for il in range(L)]), np.float32)
+    var = np.ascontiguousarray(np.stack([_tensor(tensors, path, var_name(il, variant), (H, D)) for il in range(L)]),
+                               np.float32)
     model_fp = str(_field(r, "loki.model.fingerprint", ""))
     proj = LokiProjection(variant=variant, P=P, explained_variance=var,
                           calibration_tokens=meta["calibration_tokens"],
                           model_name=str(_field(r, "loki.model.name", "")),
-                          model_size=int(_field(r, "loki.model.size", 0)), model_fingerprint=model_fp, path=path)
+                          model_size=_int_field(r, path, "loki.model.size", 0), model_fingerprint=model_fp, path=path)
     if any(not _is_loki_tensor(t) for t in tensors):
         # an embedded copy: its own model part must be the model the projection was made for
         _check_model(proj, path, model_fingerprint(path, r), "the model it is embedded in")
     if model_path is not None:
         _check_model_file(proj, model_path)
     return proj
+
+
+def _int_field(reader, path, key, default=None) -> int:
+    value = _field(reader, key, default)
+    if value is None:
+        raise SparqError(f"{path}: missing key {key}")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SparqError(f"{path}: {key} must be an integer, got {str(value)[:60]}")
+    return value
 
 
 def _tensor(tensors, path, name, shape) -> np.ndarray:

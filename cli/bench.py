@@ -5,6 +5,7 @@ import click
 
 from sparq_cpp.bench.compare import RERUN_TOL
 from sparq_cpp.bench.e2e import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, format_table, parse_depths, run
+from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, threads_type
 from sparq_cpp.modelfactory import PRESETS, WTYPES
 
 
@@ -36,7 +37,7 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
               help="Run the sweep this many times, with fresh contexts, and pool the steps: a slow spell "
                    "or a bad memory placement in one round is outvoted.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
-@click.option("--threads", type=int, default=None, help="Threads (default: all usable cores).")
+@click.option("--threads", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--fill", type=click.Choice(FILLS), default="synthetic", show_default=True,
               help="How the cache reaches depth S: a synthetic state load, a real prefill, or both (compared).")
 @click.option("--prefill-max", default="4k", show_default=True,
@@ -49,13 +50,13 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--beyond-train-ctx", is_flag=True, help="Allow depths beyond the model's trained context.")
 @click.option("--mem-fraction", type=float, default=0.8, show_default=True,
               help="Share of available memory a run may use (checked before allocating).")
-@click.option("--bandwidth-mib", type=int, default=1024, show_default=True,
+@click.option("--bandwidth-mib", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Buffer size of the read-bandwidth measurement.")
-@click.option("--disturbed-frac", type=float, default=0.02, show_default=True,
+@click.option("--disturbed-frac", type=FiniteFloatRange(min=0), default=0.02, show_default=True,
               help="A step whose threads waited for a CPU longer than this share of it is disturbed: retaken.")
 @click.option("--max-extra-steps", type=int, default=None,
               help="Most steps retaken per (S, mode) for disturbed ones (default 3 x repeats).")
-@click.option("--wait-quiet", type=float, default=0.0, show_default=True,
+@click.option("--wait-quiet", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
               help="Before timing each (S, mode), wait up to this many seconds for other processes to go quiet.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
@@ -69,7 +70,7 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, lok
                       r=r, k=k, l=l, d=d, loki_l=loki_l, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
-                      mem_fraction=mem_fraction, bandwidth_bytes=max(1, bandwidth_mib) << 20, disturbed_frac=disturbed_frac,
+                      mem_fraction=mem_fraction, bandwidth_bytes=bandwidth_mib << 20, disturbed_frac=disturbed_frac,
                       max_extra_steps=max_extra_steps, wait_quiet=wait_quiet, interleave=interleave,
                       progress=progress)
     doc = run(cfg, log=lambda s: click.echo(s, err=True))

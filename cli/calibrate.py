@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp.cli.options import THREADS_HELP, threads_type
 from sparq_cpp.errors import SparqError
 
 
@@ -54,7 +55,7 @@ def _table(pca) -> str:
               help="Stop after this many calibration tokens.")
 @click.option("--ctx-size", "-c", type=int, default=2048, show_default=True,
               help="Context size: the text is evaluated in chunks of this many tokens.")
-@click.option("--threads", "-t", type=int, default=None, help="Threads (default: all cores).")
+@click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--out", "-o", default=None, metavar="PATH",
               help="Output GGUF (default: <model stem>.loki.gguf, or .loki-embedded.gguf with --embed, "
                    "next to the model).")
@@ -70,8 +71,6 @@ def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
 
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
-    if threads is not None and threads < 1:
-        raise SparqError(f"--threads must be >= 1, got {threads}")
     summary = check_gguf(gguf_path)
     model = Path(gguf_path)
     out = check_writable(_out_path(model, out, embed), "--out")

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp.cli.options import THREADS_HELP, threads_type
 from sparq_cpp.errors import SparqError
+from sparq_cpp.outfile import check_writable
 
 DEFAULT_METHODS = "dense,sparq,h2o,lm-infinite"
 
@@ -67,17 +69,17 @@ def _data(items):
               help="copy: words in the paragraph that is repeated (the first is given, the rest scored).")
 @click.option("--lengths", default="512,1024", show_default=True, help="needle / kv: prompt lengths in tokens.")
 @click.option("--depths", default="0,0.5,1", show_default=True, help="needle / kv: depths (0 = start, 1 = end).")
-@click.option("--r", "sparq_r", type=int, default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
+@click.option("--r", "sparq_r", type=click.IntRange(min=1), default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
 @click.option("--local", "sparq_local", default="1/4", show_default=True,
               help="SparQ: the most recent positions kept (l) as a share of k, in [0, 1].")
-@click.option("--d", "loki_d", type=int, default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
+@click.option("--d", "loki_d", type=click.IntRange(min=1), default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
 @click.option("--mean-value/--no-mean-value", default=None,
               help="SparQ's mean-value reallocation (default: on for MHA, off for GQA models, as in the paper).")
 @click.option("--loki-projection", type=click.Path(dir_okay=False), default=None,
               help="Loki bases (from `sparq-cpp calibrate`); needed by loki@ref, and by loki unless embedded.")
 @click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
               help="KV cache type (the reference does f16 and f32).")
-@click.option("--threads", type=int, default=None, help="llama.cpp threads (default: all cores).")
+@click.option("--threads", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated default data.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the config, every sample's record and the summary here.")
@@ -115,6 +117,9 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
     for t in task_names:
         if t not in tasks.TASKS:
             raise SparqError(f"unknown task {t!r} (known: {', '.join(tasks.TASKS)})")
+    for path, option in ((json_path, "--json"), (plot_path, "--plot")):
+        if path:
+            check_writable(path, option)  # now, not after the run
     if gguf is None:
         from sparq_cpp.demo_model import default_model
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, threads_type
 from sparq_cpp.errors import SparqError
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
@@ -62,12 +63,14 @@ class _Utf8Stream:
               help="Tokens to generate.")
 @click.option("--ctx-size", "-c", type=int, default=None,
               help="Context size (default: 4096, or the model's training context if that is shorter).")
-@click.option("--threads", "-t", type=int, default=None, help="Threads (default: all cores).")
+@click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-@click.option("--temp", "--temperature", "temp", type=float, default=0.8, show_default=True,
+@click.option("--temp", "--temperature", "temp", type=FiniteFloatRange(min=0), default=0.8, show_default=True,
               help="Sampling temperature; 0 is greedy.")
-@click.option("--top-k", type=int, default=40, show_default=True)
-@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True,
+              help="Sample from the k most likely tokens; 0 = all.")
+@click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=0.95, show_default=True,
+              help="Sample from the most likely tokens whose probabilities add up to p, in (0, 1].")
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
               help="KV cache type.")
 @click.option("--attn", type=click.Choice(["dense", "sparq", "loki"]), default=None,
@@ -90,8 +93,6 @@ def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp,
     attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant)
     if n_predict < 1:
         raise SparqError(f"-n must be >= 1, got {n_predict}")
-    if temp < 0:
-        raise SparqError(f"--temp must be >= 0, got {temp}")
     text = _read_prompt(prompt, prompt_file)
     path = _resolve_model(gguf)
     if ctx_size is None:

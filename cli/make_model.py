@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from sparq_cpp.modelfactory import PRESETS, WTYPES, resolve_geometry, write_model
+from sparq_cpp.outfile import check_writable
 
 
 def _size(n: int) -> str:
@@ -31,6 +32,7 @@ def command(preset, layers, wtype, seed, out, progress, **overrides):
     """Write a synthetic Llama-architecture GGUF model to --out."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     geo = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
+    check_writable(out, "--out")  # its directory must exist: a mistyped path is not created
     path = write_model(out, preset, layers=layers, wtype=wtype, seed=seed, progress=progress, **overrides)
     click.echo(f"{path}  {_size(path.stat().st_size)}")
     click.echo(f"preset {preset}, wtype {wtype}, seed {seed}: n_layer {geo.n_layer}, n_embd {geo.n_embd}, "

@@ -44,7 +44,9 @@ def parse_ratios(text: str) -> list[float]:
 def _split_rank(target, S, D, extra, fixed):
     """(rank, k) for ranking methods: S*rank + 2*k*D + extra = target * dense."""
     budget = target * transfer.dense_elements(S, D)
-    ranks = [fixed] if fixed else range(max(1, min(D, round(target * D))), 0, -1)
+    if fixed is not None and not 1 <= fixed <= D:  # 0 would otherwise read as "not fixed"
+        raise SparqError(f"a fixed r or d must be in 1..{D} (the head size), got {fixed}")
+    ranks = [fixed] if fixed is not None else range(max(1, min(D, round(target * D))), 0, -1)
     for rank in ranks:
         k = int((budget - S * rank - extra) // (2 * D))
         if k >= 1:

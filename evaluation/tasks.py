@@ -86,8 +86,11 @@ class Tokenizer:
         llama_cpp = import_llama_cpp()
         from llama_cpp._utils import suppress_stdout_stderr
 
-        with suppress_stdout_stderr(disable=False):  # a vocab-only context warns about n_ctx_train = 0
-            self._llm = llama_cpp.Llama(str(path), vocab_only=True, n_ctx=64, verbose=False)
+        try:
+            with suppress_stdout_stderr(disable=False):  # a vocab-only context warns about n_ctx_train = 0
+                self._llm = llama_cpp.Llama(str(path), vocab_only=True, n_ctx=64, verbose=False)
+        except (ValueError, RuntimeError) as e:  # llama-cpp-python's way of saying llama.cpp refused the file
+            raise SparqError(f"llama.cpp could not load the tokenizer of {path}: {e}") from None
         self.eos = self._llm.token_eos()
         self.bos = self._llm.token_bos()
 

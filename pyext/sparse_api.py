@@ -37,6 +37,19 @@ class llama_sparse_attn_params(ctypes.Structure):
         return out
 
 
+_INT32_FIELDS = {name for name, ctype in llama_sparse_attn_params._fields_ if ctype is ctypes.c_int32}
+
+
+def fill(params: llama_sparse_attn_params, **values) -> llama_sparse_attn_params:
+    """Set fields of `params`. ctypes stores only the low 32 bits of an int32 field (2**32 + 5
+    becomes 5), so a value that does not fit is refused here instead."""
+    for name, value in values.items():
+        if name in _INT32_FIELDS and not -2**31 <= value <= 2**31 - 1:
+            raise SparqError(f"{name} must be in {-2**31}..{2**31 - 1} (a C int32), got {value}")
+        setattr(params, name, value)
+    return params
+
+
 @lru_cache(maxsize=None)
 def _lib():
     from llama_cpp import llama_cpp as raw

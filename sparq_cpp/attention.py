@@ -1,10 +1,26 @@
 """User-facing attention settings: Dense(), SparQ(...) and Loki(...), checked against a model's geometry."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from sparq_cpp import transfer
 from sparq_cpp.errors import SparqError
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+def _check_int32(settings, names) -> None:
+    """These settings go into int32 fields of the C API, where ctypes would silently wrap a larger
+    value (k = 2**32 + 5 runs as k = 5); refuse what does not fit, and non-integers. None = unset."""
+    for name in names:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise SparqError(f"{name} must be an integer, got {value!r}")
+        if not INT32_MIN <= value <= INT32_MAX:
+            raise SparqError(f"{name} must be in {INT32_MIN}..{INT32_MAX} (a C int32), got {value}")
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,9 @@ class SparQ:
     sparse_prompt: bool = False
 
     name = "sparq"
+
+    def __post_init__(self):
+        _check_int32(self, ("r", "k", "l", "min_n_kv"))
 
     @property
     def local(self) -> int:
@@ -77,6 +96,9 @@ class Loki:
     sparse_prompt: bool = False
 
     name = "loki"
+
+    def __post_init__(self):
+        _check_int32(self, ("d", "k", "l", "min_n_kv"))
 
     @property
     def local(self) -> int:

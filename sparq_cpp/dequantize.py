@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.gguf_check import open_gguf
-from sparq_cpp.outfile import atomic_write, check_writable
+from sparq_cpp.gguf_check import _field, check_gguf, open_gguf
+from sparq_cpp.outfile import atomic_write, check_space, check_writable, fmt_bytes
 
 _FILE_TYPE_ALL_F32 = 0
 
@@ -21,25 +21,24 @@ def dequantize_gguf(src, out, progress=None) -> Path:
     from gguf.quants import dequantize
 
     src, out = Path(src), Path(out).expanduser()
+    summary = check_gguf(src)  # a model the copy could not be used as is refused before writing
     reader = open_gguf(src)
-    if "general.architecture" not in reader.fields:
-        raise SparqError(f"{src} has no general.architecture: not a model file")
     if out.resolve() == src.resolve():
         raise SparqError("--out: the copy cannot replace the model it is made from")
     check_writable(out, "--out")
-    arch = reader.fields["general.architecture"].contents()
+    _check_dequantizable(reader, src)
+    _check_resources(reader, out)
+    metadata = _metadata(reader, src)
 
     def write(tmp: Path) -> None:
-        w = gguf.GGUFWriter(tmp, arch)
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture":
-                continue  # the reader's own fields; the writer adds the architecture
+        w = gguf.GGUFWriter(tmp, summary.arch)
+        for name, value, vtype in metadata:
             if name == "general.file_type":
                 w.add_uint32(name, _FILE_TYPE_ALL_F32)
-            elif field.types[0] == gguf.GGUFValueType.ARRAY:
-                w.add_array(name, field.contents())
+            elif vtype == gguf.GGUFValueType.ARRAY:
+                w.add_array(name, value)
             else:
-                w.add_key_value(name, field.contents(), field.types[0])
+                w.add_key_value(name, value, vtype)
         n = len(reader.tensors)
         for i, t in enumerate(reader.tensors):
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -52,3 +51,37 @@ def dequantize_gguf(src, out, progress=None) -> Path:
         w.close()
 
     return atomic_write(out, write, "--out")
+
+
+def _check_dequantizable(reader, src: Path) -> None:
+    """Each tensor type the gguf package can dequantize (one row of each tried), before writing."""
+    from gguf.quants import dequantize
+
+    tried = set()
+    for t in reader.tensors:
+        if t.tensor_type in tried:
+            continue
+        try:
+            dequantize(np.asarray(t.data)[:1], t.tensor_type)
+        except NotImplementedError:
+            raise SparqError(f"{src}: tensor {t.name} is {t.tensor_type.name}, "
+                             "which the gguf package cannot dequantize") from None
+        tried.add(t.tensor_type)
+
+
+def _metadata(reader, src: Path) -> list:
+    """(name, value, type) of every key to copy, read now: a value that cannot be read fails before
+    anything is written. The reader's own GGUF.* fields and the architecture (the writer adds it) are left out."""
+    return [(name, _field(reader, name), field.types[0]) for name, field in reader.fields.items()
+            if not name.startswith("GGUF.") and name != "general.architecture"]
+
+
+def _check_resources(reader, out: Path) -> None:
+    """The writer holds every f32 tensor until it writes the file: memory and disk for all of them."""
+    from sparq_cpp.bench.machine import mem_available
+
+    nbytes = sum(int(np.prod(t.shape, dtype=np.int64)) * 4 for t in reader.tensors)
+    avail = mem_available()  # 0: unknown
+    if avail and nbytes > avail:
+        raise SparqError(f"the f32 copy is about {fmt_bytes(nbytes)}, built in memory; {fmt_bytes(avail)} is available")
+    check_space(out, nbytes, "--out")

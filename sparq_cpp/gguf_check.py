@@ -28,11 +28,19 @@ class GGUFSummary:
         return self.n_embd // self.n_head
 
 
+# llama.cpp keeps per-layer settings in arrays of LLAMA_MAX_LAYERS and asserts (aborts) above it.
+MAX_LAYERS = 512
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
-    return f.contents()
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        where = getattr(reader.data, "filename", None) or "GGUF"
+        raise SparqError(f"{where}: metadata key {key} is not UTF-8 text") from None
 
 
 def open_gguf(path) -> "gguf.GGUFReader":
@@ -74,14 +82,32 @@ def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
         v = _field(reader, f"{arch}.{name}", default)
         if v is None:
             raise SparqError(f"{path}: missing key {arch}.{name}")
-        return int(v)
+        if not isinstance(v, int) or isinstance(v, bool):  # e.g. a per-layer array
+            raise SparqError(f"{path}: {arch}.{name} must be one integer, got {str(v)[:60]}")
+        return v
 
     n_head = hp("attention.head_count")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return GGUFSummary(
+    summary = GGUFSummary(
         path=path, arch=arch, n_layer=hp("block_count"), n_embd=hp("embedding_length"),
         n_head=n_head, n_head_kv=hp("attention.head_count_kv", n_head),
         n_ctx_train=hp("context_length"),
         n_vocab=len(tokens.data) if tokens is not None else hp("vocab_size", 0),
         file_type=_field(reader, "general.file_type"), name=str(_field(reader, "general.name", path.stem)),
     )
+    _check_geometry(summary)
+    return summary
+
+
+def _check_geometry(s: GGUFSummary) -> None:
+    """Values llama.cpp would divide by or assert on (an abort, not an error) are refused here."""
+    key = f"{s.path}: {s.arch}."
+    if not 1 <= s.n_layer <= MAX_LAYERS:
+        raise SparqError(f"{key}block_count must be in 1..{MAX_LAYERS}, got {s.n_layer}")
+    if s.n_head < 1:
+        raise SparqError(f"{key}attention.head_count must be >= 1, got {s.n_head}")
+    if not 1 <= s.n_head_kv <= s.n_head or s.n_head % s.n_head_kv:
+        raise SparqError(f"{key}attention.head_count_kv must be >= 1 and divide head_count ({s.n_head}), "
+                         f"got {s.n_head_kv}")
+    if s.n_embd < s.n_head:
+        raise SparqError(f"{key}embedding_length must be at least head_count ({s.n_head}), got {s.n_embd}")

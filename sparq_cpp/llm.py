@@ -27,6 +27,22 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+GGML_MAX_N_THREADS = 512  # ggml.h: a thread pool holds at most this many
+
+
+def max_threads() -> int:
+    """The most threads accepted: 4 per logical CPU (more only queue for the same cores; a typo
+    such as -t 1000 is caught), and never more than ggml's 512."""
+    return min(GGML_MAX_N_THREADS, 4 * (os.cpu_count() or 1))
+
+
+def check_threads(n: int, what: str = "--threads") -> int:
+    if not 1 <= n <= max_threads():
+        raise SparqError(f"{what} must be in 1..{max_threads()} (4 per logical CPU, at most "
+                         f"{GGML_MAX_N_THREADS}), got {n}")
+    return n
+
+
 def _c_params(attention, *, creation: bool = False):
     """The C parameters for `attention`; the Loki projection path only at creation (the basis is fixed
     for the context's life, NULL keeps it)."""
@@ -34,14 +50,13 @@ def _c_params(attention, *, creation: bool = False):
 
     p = sparse_api.default_params()
     if isinstance(attention, SparQ):
-        p.mode = sparse_api.LLAMA_SPARSE_ATTN_SPARQ
-        p.r, p.k, p.l = attention.r, attention.k, attention.local
-        p.mean_value, p.min_n_kv, p.sparse_prompt = attention.mean_value, attention.min_n_kv, attention.sparse_prompt
+        sparse_api.fill(p, mode=sparse_api.LLAMA_SPARSE_ATTN_SPARQ, r=attention.r, k=attention.k, l=attention.local,
+                        mean_value=attention.mean_value, min_n_kv=attention.min_n_kv,
+                        sparse_prompt=attention.sparse_prompt)
     elif isinstance(attention, Loki):
-        p.mode = sparse_api.LLAMA_SPARSE_ATTN_LOKI
-        p.d, p.k, p.l = attention.d, attention.k, attention.l
-        p.min_n_kv, p.sparse_prompt = attention.min_n_kv, attention.sparse_prompt
-        p.loki_pre_rope = attention.variant == "pre"
+        sparse_api.fill(p, mode=sparse_api.LLAMA_SPARSE_ATTN_LOKI, d=attention.d, k=attention.k, l=attention.l,
+                        min_n_kv=attention.min_n_kv, sparse_prompt=attention.sparse_prompt,
+                        loki_pre_rope=attention.variant == "pre")
         if creation and attention.projection is not None:
             p.loki_proj = str(attention.projection).encode()
     else:
@@ -140,9 +155,7 @@ def open_model(path, *, attention=None, n_ctx: int = 4096, n_threads: int | None
     """A checked Llama for `path`: (llm, summary)."""
     if n_ctx < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {n_ctx}")
-    n_threads = n_threads or default_threads()
-    if n_threads < 1:
-        raise SparqError(f"--threads must be >= 1, got {n_threads}")
+    n_threads = check_threads(default_threads() if n_threads is None else n_threads)
     llm = Llama(path, attention, cache_type=cache_type, n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
                 n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads,
                 seed=seed, flash_attn=flash_attn, logits_all=logits_all)

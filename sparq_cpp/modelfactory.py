@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.outfile import atomic_write
+from sparq_cpp.gguf_check import MAX_LAYERS
+from sparq_cpp.outfile import atomic_write, check_space, fmt_bytes
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
 
 # Bump whenever the bytes written for the same arguments change (it keys the model cache).
@@ -103,6 +104,8 @@ def _check_geometry(g: ModelGeometry, wtype: str) -> None:
         value = getattr(g, name)
         if not _is_int(value) or value < 1:
             raise SparqError(f"{name}: must be an integer >= 1, got {value!r}")
+    if g.n_layer > MAX_LAYERS:
+        raise SparqError(f"n_layer: llama.cpp loads at most {MAX_LAYERS} layers, got {g.n_layer}")
     for name in ("rope_freq_base", "rms_eps"):
         if not float(getattr(g, name)) > 0:
             raise SparqError(f"{name}: must be > 0, got {getattr(g, name)!r}")
@@ -183,22 +186,26 @@ def _qk_row_std(g: ModelGeometry, seed: int, il: int, n_heads: int) -> np.ndarra
 
 
 def _tensors(g: ModelGeometry, seed: int) -> Iterator[tuple[str, int, int, object]]:
-    """(name, rows, cols, row std or None for an f32 norm of ones) in llama.cpp's order.
+    """(name, rows, cols, row std or None for an f32 norm of ones) in llama.cpp's order; the row std
+    is a function that makes it, so the list of all tensors takes no memory until one is written.
 
     Row stds are 1/sqrt(fan_in) so every projection keeps unit-scale activations; the embedding
     has unit std so the first layer sees inputs like the residual stream's.
     """
     n_q, n_kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
 
-    def flat(rows: int, fan_in: int) -> np.ndarray:
-        return np.full(rows, 1.0 / np.sqrt(fan_in))
+    def flat(rows: int, fan_in: int):
+        return lambda: np.full(rows, 1.0 / np.sqrt(fan_in))
 
-    yield "token_embd.weight", g.n_vocab, g.n_embd, np.ones(g.n_vocab)
+    def qk(il: int, n_heads: int):
+        return lambda: _qk_row_std(g, seed, il, n_heads)
+
+    yield "token_embd.weight", g.n_vocab, g.n_embd, lambda: np.ones(g.n_vocab)
     for il in range(g.n_layer):
         b = f"blk.{il}."
         yield b + "attn_norm.weight", 1, g.n_embd, None
-        yield b + "attn_q.weight", n_q, g.n_embd, _qk_row_std(g, seed, il, g.n_head)
-        yield b + "attn_k.weight", n_kv, g.n_embd, _qk_row_std(g, seed, il, g.n_head_kv)
+        yield b + "attn_q.weight", n_q, g.n_embd, qk(il, g.n_head)
+        yield b + "attn_k.weight", n_kv, g.n_embd, qk(il, g.n_head_kv)
         yield b + "attn_v.weight", n_kv, g.n_embd, flat(n_kv, g.n_embd)
         yield b + "attn_output.weight", g.n_embd, n_q, flat(g.n_embd, n_q)
         yield b + "ffn_norm.weight", 1, g.n_embd, None
@@ -258,11 +265,11 @@ def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
 
 
 def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype: str = "f32",
-                seed: int = 0, progress: bool = False, **overrides) -> Path:
+                seed: int = 0, progress: bool = False, make_parents: bool = False, **overrides) -> Path:
     """Write a synthetic Llama GGUF to path (atomically) and return the path.
 
     overrides replace ModelGeometry fields of the preset; `layers` replaces n_layer. The same
-    arguments always give a byte-identical file.
+    arguments always give a byte-identical file. path's directory must exist unless make_parents.
     """
     g = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
     if not _is_int(seed) or not 0 <= seed < 2**63:
@@ -270,8 +277,47 @@ def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype:
     path = Path(path).expanduser()
     if path.is_dir():
         raise SparqError(f"path: {path} is a directory")
+    check_resources(g, wtype, path)
     specs = list(_tensors(g, seed))
-    return atomic_write(path, lambda tmp: _write(tmp, g, specs, preset, wtype, seed, progress and path.name), "path")
+    return atomic_write(path, lambda tmp: _write(tmp, g, specs, preset, wtype, seed, progress and path.name), "path",
+                        make_parents=make_parents)
+
+
+# Writing holds the tokenizer's strings, scores and types twice (as Python objects and packed).
+_VOCAB_BYTES_PER_TOKEN = 512
+
+
+def write_footprint(g: ModelGeometry, wtype: str) -> dict:
+    """What writing the model takes, in bytes: `memory` at the peak (the largest tensor, its row
+    scales and the chunk of codes being encoded, plus the vocabulary), `disk` (the tensor data;
+    the metadata is a few bytes per token more), and the `largest` tensor's name and size."""
+    peak, disk, largest = 0, 0, ("", 0)
+    for name, rows, cols, row_std in _tensors(g, 0):
+        if row_std is None:
+            disk += cols * 4
+            continue
+        shape, dtype = _storage(rows, cols, wtype)
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        chunk = min(rows, max(1, _CHUNK // cols)) * cols  # int8 codes, then f32 and f16 copies
+        peak = max(peak, nbytes + rows * 12 + chunk * 9)
+        largest = max(largest, (name, nbytes), key=lambda t: t[1])
+        disk += nbytes
+    return {"memory": peak + g.n_vocab * _VOCAB_BYTES_PER_TOKEN, "disk": disk + g.n_vocab * 32,
+            "largest": largest}
+
+
+def check_resources(g: ModelGeometry, wtype: str, path: Path) -> None:
+    """Refuse up front a model this machine cannot write: more memory than is available now, or a
+    bigger file than the disk has room for (else a MemoryError, or a full disk, halfway through)."""
+    from sparq_cpp.bench.machine import mem_available
+
+    need = write_footprint(g, wtype)
+    name, nbytes = need["largest"]
+    avail = mem_available()  # 0: unknown
+    if avail and need["memory"] > avail:
+        raise SparqError(f"writing this model needs about {fmt_bytes(need['memory'])} of memory (its largest "
+                         f"tensor, {name}, is {fmt_bytes(nbytes)}); {fmt_bytes(avail)} is available")
+    check_space(path, need["disk"], "path")
 
 
 def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, seed: int,
@@ -288,7 +334,7 @@ def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, se
             if row_std is None:
                 w.write_tensor_data(np.ones(cols, np.float32))
             else:
-                w.write_tensor_data(_matrix(_rng(seed, name), row_std, cols, wtype))
+                w.write_tensor_data(_matrix(_rng(seed, name), row_std(), cols, wtype))
     finally:
         w.close()
 
@@ -318,5 +364,5 @@ def default_model_path(preset: str = "tiny", wtype: str = "f32", layers: int | N
     suffix = f"-L{layers}" if layers is not None else ""
     path = cache_dir() / f"{preset}-{wtype}{suffix}-{digest}.gguf"
     if not path.exists():
-        write_model(path, preset, layers=layers, wtype=wtype, seed=0)
+        write_model(path, preset, layers=layers, wtype=wtype, seed=0, make_parents=True)
     return path

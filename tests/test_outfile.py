@@ -28,7 +28,10 @@ def test_check_writable_names_the_problem(tmp_path):
 
 def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
     path = tmp_path / "sub" / "out.txt"
-    assert atomic_write(path, lambda tmp: tmp.write_text("one")) == path  # parents are made
+    with pytest.raises(SparqError, match=f"--json: directory {tmp_path / 'sub'} does not exist"):
+        atomic_write(path, lambda tmp: tmp.write_text("one"), "--json")  # a mistyped path is not created
+    assert not (tmp_path / "sub").exists()
+    assert atomic_write(path, lambda tmp: tmp.write_text("one"), make_parents=True) == path  # a cache's are
     assert path.read_text() == "one" and oct(path.stat().st_mode & 0o777) == "0o644"
 
     def fail(tmp):

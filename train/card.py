@@ -50,4 +50,4 @@ def write_card(path, gguf_path, result: dict, ckpt=None) -> None:
         card.update(training_command=training["command"], training_args=training["args"],
                     n_params=training["n_params"], training_history=training["history"],
                     training_init=training.get("init"))
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(card, indent=2) + "\n"), "--card")
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(card, indent=2) + "\n"), "--card", make_parents=True)

@@ -50,7 +50,8 @@ def write(out: str | Path, deb=None, n_kv: int = 400, seed: int = 7) -> dict[str
         "kv.txt": "".join(f"{k}\t{int(rng.integers(100, 2000))}\n" for k in _keys(n_kv, seed)),
         "calib.txt": calib,
     }
-    paths = {name: atomic_write(out / name, lambda tmp, t=text: tmp.write_text(t, encoding="utf-8"), "--out")
+    paths = {name: atomic_write(out / name, lambda tmp, t=text: tmp.write_text(t, encoding="utf-8"), "--out",
+                                 make_parents=True)
              for name, text in files.items()}
     return {"bpc": paths["heldout.txt"], "repetition": paths["heldout.txt"], "needle": paths["needle.txt"],
             "kv": paths["kv.txt"], "calib": paths["calib.txt"]}
