@@ -236,7 +236,7 @@ def test_outputs_table_json_plot(models, tmp_path):
     doc["summary"] = results.summarize(doc["records"])
     table = results.format_table(doc)
     assert "bpc" in table and "dense" in table and "h2o" in table and "1/2" in table
-    path = results.write_json(doc, tmp_path / "out" / "eval.json")
+    path = results.write_json(doc, tmp_path / "eval.json")  # in an existing directory: none is made
     back = json.loads(path.read_text())
     assert len(back["records"]) == 4 and {r["method"] for r in back["records"]} == {"dense", "h2o"}
     png = results.plot(doc, tmp_path / "eval.png")
