@@ -30,8 +30,9 @@ from sparq_cpp.pyext.patchtree import apply_series, series, series_hash
 from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, cache_root, fetch_sdist, unpack_sdist
 
 BUILDER_VERSION = 1
-TOOLS = ["llama-bench", "llama-cli", "llama-completion", "llama-server", "test-backend-ops"]
-LIB_TARGETS = ["llama", "ggml", "ggml-base", "ggml-cpu"]
+TOOLS = ["llama-bench", "llama-cli", "llama-completion", "llama-server", "test-backend-ops", "ggml-rpc-server"]
+# ggml-rpc: layers on other machines' rpc-server (--rpc HOST:PORT), the first non-host backend we can test
+LIB_TARGETS = ["llama", "ggml", "ggml-base", "ggml-cpu", "ggml-rpc"]
 # Written into the environment that the build was installed into; `info` and the tools lookup read it.
 INSTALL_RECORD = Path(sys.prefix) / "sparq-cpp-build.json"
 
@@ -48,7 +49,7 @@ class BuildOptions:
             "-DLLAMA_BUILD_TOOLS=ON", "-DLLAVA_BUILD=OFF",  # mtmd comes with the tools; LLAVA would add it twice
             "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_TESTS_INSTALL=OFF",  # we pick test-backend-ops from the build
             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-            "-DLLAMA_BUILD_APP=OFF", f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}",
+            "-DLLAMA_BUILD_APP=OFF", f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}", "-DGGML_RPC=ON",
         ]
         if self.cuda:
             args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}"]

@@ -126,6 +126,8 @@ class _Lib:
         self.ggml_view_4d = fn(b, "ggml_view_4d", T_P, VP, T_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
         self.ggml_nbytes = fn(b, "ggml_nbytes", ctypes.c_size_t, T_P)
+        self.ggml_cpy = fn(b, "ggml_cpy", T_P, VP, T_P, T_P)
+        self.ggml_transpose = fn(b, "ggml_transpose", T_P, VP, T_P)
         self.ggml_row_size = fn(b, "ggml_row_size", ctypes.c_size_t, ctypes.c_int, ctypes.c_int64)
         self.ggml_flash_attn_ext = fn(b, "ggml_flash_attn_ext", T_P, VP, T_P, T_P, T_P, T_P,
                                       ctypes.c_float, ctypes.c_float, ctypes.c_float)
@@ -238,6 +240,7 @@ class Graph:
             raise SparqError("ggml_init failed")
         self._keep: list[np.ndarray] = []
         self._outputs: list[tuple[object, np.ndarray]] = []
+        self._writes: list = []  # nodes that write into tensors given by tensor() (ggml_cpy)
         self._work = None
         self._threadpool = None
         self._gf = None
@@ -299,6 +302,15 @@ class Graph:
 
     # ops
 
+    def transpose(self, t):
+        return self.lib.ggml_transpose(self.ctx, t)
+
+    def copy(self, src, dst):
+        """ggml_cpy: src converted into dst (a tensor() or a view of one, whose numpy buffer it fills)."""
+        node = self.lib.ggml_cpy(self.ctx, src, dst)
+        self._writes.append(node)
+        return node
+
     def sparq_attn(self, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value):
         return self.lib.ggml_sparq_attn(self.ctx, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value)
 
@@ -314,7 +326,7 @@ class Graph:
         """Build the graph of every output() and plan it; the work buffer is kept for repeats."""
         L = self.lib
         self._gf = L.ggml_new_graph_custom(self.ctx, GGML_DEFAULT_GRAPH_SIZE, False)
-        for t, _ in self._outputs:
+        for t in [t for t, _ in self._outputs] + self._writes:
             L.ggml_build_forward_expand(self._gf, t)
         if self._threadpool:
             L.ggml_threadpool_free(self._threadpool)
