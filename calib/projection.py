@@ -277,6 +277,10 @@ def read_projection(path, model_path=None, variant: str = "post") -> LokiProject
                                        for il in range(L)]), np.float32)
     var = np.ascontiguousarray(np.stack([_tensor(tensors, path, var_name(il, variant), (H, D)) for il in range(L)]),
                                np.float32)
+    if not np.isfinite(P).all():
+        il = int(np.argwhere(~np.isfinite(P))[0][0])
+        raise SparqError(f"{path}: {proj_name(il, variant)} holds a value that is not finite (NaN or inf); "
+                         "calibrate the projection again")
     model_fp = str(_field(r, "loki.model.fingerprint", ""))
     proj = LokiProjection(variant=variant, P=P, explained_variance=var,
                           calibration_tokens=meta["calibration_tokens"],
