@@ -201,3 +201,22 @@ def test_loki_on_two_rpc_servers_matches_local(model, projection, rpc_devices, c
         assert rel(s.prompt(prompt), local_first) <= TOL
         for i, (a, b) in enumerate(zip(s.steps(steps, pos0=len(prompt)), local_steps)):
             assert rel(a, b) <= TOL, f"decode step {i}"
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+def test_cache_edits_on_rpc_servers_match_local(model, rpc_devices, cache_type):
+    """Sequence edits with the cache on the servers: the upkeep graph recomputes the V sums there."""
+    prompt = tokens(120, seed=3)
+
+    def run(devices):
+        with Session(model, ATT, cache_type=cache_type, n_seq=2,
+                     **({} if devices is None else {"devices": devices, "n_gpu_layers": 99})) as s:
+            s.prompt(prompt, seq=0)
+            s.seq_rm(0, 80, -1)       # the tail of sequence 0
+            s.seq_cp(0, 1)            # sequence 1 shares its cells
+            s.seq_rm(0)               # sequence 0 is gone
+            return s.steps([5, 6, 7], seq=1, pos0=80)
+
+    local, remote = run(None), run(rpc_devices[0])
+    for i, (a, b) in enumerate(zip(remote, local)):
+        assert rel(a, b) <= TOL, f"decode step {i}"
