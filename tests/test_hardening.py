@@ -302,3 +302,22 @@ def test_fixed_rank_zero_is_refused_not_ignored():
     with pytest.raises(SparqError, match="a fixed r or d must be in 1..64"):
         sweep.settings("sparq", 1 / 8, 1024, 64, r=0)
     assert sweep.settings("sparq", 1 / 8, 1024, 64, r=8)["r"] == 8
+
+
+def test_check_gguf_reads_only_the_metadata(tiny, tmp_path, monkeypatch):
+    """The summary comes from the header alone (the gguf package's reader decodes every array element:
+    seconds for a 49k-token vocabulary), and agrees with that reader."""
+    import gguf as gguf_pkg
+
+    want = gguf_pkg.GGUFReader(tiny)
+    monkeypatch.setattr(gguf_pkg, "GGUFReader", None)  # any use would fail
+    s = check_gguf(tiny)
+    assert s.n_vocab == len(want.fields["tokenizer.ggml.tokens"].data)
+    assert (s.n_layer, s.n_head) == (want.fields["llama.block_count"].contents(),
+                                     want.fields["llama.attention.head_count"].contents())
+    assert s.head_dim == s.n_embd // s.n_head
+
+
+def test_head_dim_comes_from_the_key_length_where_a_model_sets_it(tiny, tmp_path):
+    path = rewrite_gguf(tiny, tmp_path / "keylen.gguf", {"llama.attention.key_length": 256})
+    assert check_gguf(path).head_dim == 256
