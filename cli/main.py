@@ -29,9 +29,9 @@ def cli():
 
 
 def _register():
-    from sparq_cpp.cli import bench, calibrate, convert, dequantize, eval, generate, info, make_model
+    from sparq_cpp.cli import bench, calibrate, convert, dequantize, eval, generate, info, make_model, serve
 
-    for mod in (generate, calibrate, bench, eval, make_model, convert, dequantize, info):
+    for mod in (generate, serve, calibrate, bench, eval, make_model, convert, dequantize, info):
         cli.add_command(mod.command)
     cli.add_command(bench.compare_command)
 
