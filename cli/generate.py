@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, threads_type
+from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, attention_options, threads_type
 from sparq_cpp.errors import SparqError
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
@@ -73,18 +73,7 @@ class _Utf8Stream:
               help="Sample from the most likely tokens whose probabilities add up to p, in (0, 1].")
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
               help="KV cache type.")
-@click.option("--attn", type=click.Choice(["dense", "sparq", "loki"]), default=None,
-              help="Attention: dense, sparq (the default when --r or --k is given) or loki (the default with --d).")
-@click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16].")
-@click.option("--d", "d", type=int, default=None, help="Loki: principal components used to rank positions [32].")
-@click.option("--k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step [128].")
-@click.option("--l", "l", type=int, default=None, help="SparQ/Loki: most recent positions always kept [SparQ k/4, Loki 0].")
-@click.option("--no-mean-value", is_flag=True,
-              help="SparQ: no mean-value reallocation (the paper's choice for GQA models, e.g. Llama 3, Mistral).")
-@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
-              help="Loki: projection GGUF from `sparq-cpp calibrate` (default: the one embedded in the model).")
-@click.option("--loki-variant", type=click.Choice(["post", "pre"]), default="post", show_default=True,
-              help="Loki: basis calibrated on keys after or before RoPE.")
+@attention_options
 def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type,
             attn, r, d, k, l, no_mean_value, loki_pca, loki_variant):
     """Generate text, streaming it, then print prompt and decode speed."""

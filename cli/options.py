@@ -24,3 +24,26 @@ def threads_type() -> click.IntRange:
 
 
 THREADS_HELP = "Threads (default: all usable cores; at most 4 per logical CPU, and 512)."
+
+
+def attention_options(command):
+    """The attention options of `generate` and `serve`: --attn, SparQ's --r/--no-mean-value, Loki's
+    --d/--loki-pca/--loki-variant, and --k/--l for both (see cli.generate._attention)."""
+    options = [
+        click.option("--attn", type=click.Choice(["dense", "sparq", "loki"]), default=None,
+                     help="Attention: dense, sparq (the default when --r or --k is given) or loki (the default with --d)."),
+        click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16]."),
+        click.option("--d", "d", type=int, default=None, help="Loki: principal components used to rank positions [32]."),
+        click.option("--k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step [128]."),
+        click.option("--l", "l", type=int, default=None,
+                     help="SparQ/Loki: most recent positions always kept [SparQ k/4, Loki 0]."),
+        click.option("--no-mean-value", is_flag=True,
+                     help="SparQ: no mean-value reallocation (the paper's choice for GQA models, e.g. Llama 3, Mistral)."),
+        click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
+                     help="Loki: projection GGUF from `sparq-cpp calibrate` (default: the one embedded in the model)."),
+        click.option("--loki-variant", type=click.Choice(["post", "pre"]), default="post", show_default=True,
+                     help="Loki: basis calibrated on keys after or before RoPE."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command

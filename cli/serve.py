@@ -8,7 +8,7 @@ import sys
 import click
 
 from sparq_cpp.cli.generate import _attention, _resolve_model
-from sparq_cpp.cli.options import THREADS_HELP, threads_type
+from sparq_cpp.cli.options import THREADS_HELP, attention_options, threads_type
 from sparq_cpp.errors import SparqError
 
 
@@ -74,17 +74,7 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
 @click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
               help="KV cache type.")
-@click.option("--attn", type=click.Choice(["dense", "sparq", "loki"]), default=None,
-              help="Attention: dense, sparq (the default when --r or --k is given) or loki (the default with --d).")
-@click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16].")
-@click.option("--d", "d", type=int, default=None, help="Loki: principal components used to rank positions [32].")
-@click.option("--k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step [128].")
-@click.option("--l", "l", type=int, default=None, help="SparQ/Loki: most recent positions always kept [SparQ k/4, Loki 0].")
-@click.option("--no-mean-value", is_flag=True, help="SparQ: no mean-value reallocation.")
-@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
-              help="Loki: projection GGUF from `sparq-cpp calibrate` (default: the one embedded in the model).")
-@click.option("--loki-variant", type=click.Choice(["post", "pre"]), default="post", show_default=True,
-              help="Loki: basis calibrated on keys after or before RoPE.")
+@attention_options
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def command(gguf, host, port, ctx_size, parallel, threads, cache_type, attn, r, d, k, l, no_mean_value, loki_pca,

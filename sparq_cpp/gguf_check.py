@@ -46,11 +46,8 @@ def _field(reader, key, default=None):
         raise SparqError(f"{where}: metadata key {key} is not UTF-8 text") from None
 
 
-def open_gguf(path) -> "gguf.GGUFReader":
-    """Open a GGUF, turning every way it can be unreadable into a SparqError."""
-    import gguf
-
-    path = Path(path)
+def _check_is_gguf(path: Path) -> None:
+    """An existing file that starts with the GGUF magic."""
     if not path.exists():
         raise SparqError(f"model file not found: {path}")
     if not path.is_file():
@@ -59,6 +56,14 @@ def open_gguf(path) -> "gguf.GGUFReader":
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise SparqError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+
+
+def open_gguf(path) -> "gguf.GGUFReader":
+    """Open a GGUF, turning every way it can be unreadable into a SparqError."""
+    import gguf
+
+    path = Path(path)
+    _check_is_gguf(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on damage
@@ -177,14 +182,7 @@ class _Header:
 
 
 def _read_header(path: Path) -> _Header:
-    if not path.exists():
-        raise SparqError(f"model file not found: {path}")
-    if not path.is_file():
-        raise SparqError(f"model path is not a file: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise SparqError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    _check_is_gguf(path)
     try:
         header = _Header(path)
     except (ValueError, struct.error, OverflowError, MemoryError) as e:

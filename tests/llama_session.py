@@ -2,6 +2,7 @@
 decodes one sequence only): batches of (token, position, sequence), cache edits, state blobs."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -11,6 +12,24 @@ from sparq_cpp.llm import CACHE_TYPES, _c_params
 from sparq_cpp.pyext import sparse_api
 
 FLASH_ATTN_ENABLED = 1
+
+
+@contextlib.contextmanager
+def captured_log():
+    """llama.cpp's log lines while the block runs (llama_cpp's own callback restored after)."""
+    from llama_cpp import _logger, llama_cpp as C
+
+    lines = []
+
+    @C.llama_log_callback
+    def cb(level, text, user_data):
+        lines.append(text.decode(errors="replace"))
+
+    C.llama_log_set(cb, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        C.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 class Session:

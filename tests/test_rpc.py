@@ -24,7 +24,7 @@ if not sparse_api.available():
 from sparq_cpp import Loki, SparQ  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
 from sparq_cpp.pyext.build import installed_build  # noqa: E402
-from llama_session import Session  # noqa: E402
+from llama_session import Session, captured_log  # noqa: E402
 
 ATT = SparQ(r=8, k=16, l=4, mean_value=True)
 TOL = 1e-5
@@ -142,24 +142,6 @@ def tokens(n, seed=0):
 
 def rel(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
-
-
-@contextlib.contextmanager
-def captured_log():
-    """llama.cpp's log lines while the block runs (llama_cpp's own callback restored after)."""
-    from llama_cpp import _logger, llama_cpp as C
-
-    lines = []
-
-    @C.llama_log_callback
-    def cb(level, text, user_data):
-        lines.append(text.decode(errors="replace"))
-
-    C.llama_log_set(cb, ctypes.c_void_p(0))
-    try:
-        yield lines
-    finally:
-        C.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 def _session(model, devices, cache_type, attention=ATT):

@@ -4,8 +4,6 @@ malformed LLAMA_SPARSE_ATTN settings, a context shift of a quantized cache. (Pyt
 in test_hardening.py; these go around them, as the stock tools and the C API do.)"""
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import subprocess
 
 import gguf
@@ -18,28 +16,10 @@ from sparq_cpp.pyext import ggml_ops, sparse_api  # noqa: E402
 if not sparse_api.available() or not ggml_ops.has_sparq_attn():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from llama_session import Session  # noqa: E402
+from llama_session import Session, captured_log  # noqa: E402
 from sparq_cpp import Dense, Loki, SparQ, SparqError  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
 from sparq_cpp.pyext.build import tool_path  # noqa: E402
-
-
-@contextlib.contextmanager
-def captured_log():
-    """llama.cpp's log lines while the block runs (llama_cpp's own callback restored after)."""
-    from llama_cpp import _logger, llama_cpp as C
-
-    lines = []
-
-    @C.llama_log_callback
-    def cb(level, text, user_data):
-        lines.append(text.decode(errors="replace"))
-
-    C.llama_log_set(cb, ctypes.c_void_p(0))
-    try:
-        yield lines
-    finally:
-        C.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +116,21 @@ def test_context_shift_of_a_quantized_cache_with_sparq(model):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sparse_attn           = sparq" in proc.stderr  # SparQ was on
     assert "context full, swapping" in proc.stderr  # and the cache was shifted
+
+
+def test_a_vocabulary_with_a_token_twice_is_refused_not_aborted(model, tmp_path):
+    """A damaged vocabulary (one token's text equal to another's) hit GGML_ASSERT in llama.cpp's vocab
+    loader (SIGABRT, found by test_fuzz); it is now a load error, in the stock tool and through Python."""
+    from conftest import rewrite_gguf
+
+    tokens = gguf.GGUFReader(model).fields["tokenizer.ggml.tokens"].contents()
+    tokens[10] = tokens[11]
+    bad = rewrite_gguf(model, tmp_path / "dup.gguf", {"tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY)})
+    proc = subprocess.run([str(tool_path("llama-completion")), "-m", str(bad), "-n", "2", "-no-cnv", "-p", "hi"],
+                          capture_output=True, text=True, errors="replace", timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode > 0, (proc.returncode, proc.stderr[-800:])
+    assert "appears twice" in proc.stderr
+    from sparq_cpp import Llama
+
+    with pytest.raises(SparqError, match="could not load"):
+        Llama(bad, SparQ(r=8, k=16))
