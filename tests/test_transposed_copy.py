@@ -19,7 +19,7 @@ ELEM = {"f32": 4, "f16": 2}
 
 @pytest.mark.parametrize("src_type,dst_type", [("f16", "f16"), ("f32", "f32"), ("f32", "f16"), ("f16", "f32")])
 @pytest.mark.parametrize("n_cells,n_embd,n_stream", [(1, 64, 1), (33, 64, 1), (100, 192, 2), (1000, 200, 1),
-                                                     (257, 96, 3)])
+                                                     (257, 96, 3), (70, 50, 2)])
 @pytest.mark.parametrize("n_threads", [1, 3])
 def test_transposed_copy_into_wider_rows(src_type, dst_type, n_cells, n_embd, n_stream, n_threads):
     rng = np.random.default_rng(n_cells * 7 + n_embd)
