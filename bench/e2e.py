@@ -824,7 +824,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
         "loki_basis": loki_basis,
         "synthetic_kv_scale": scale_how,
         "memory_estimate": {str(d): e for d, e in estimates.items()},
-        "transfer_model": "weights touched + SPEC.md KV reads per layer and KV head, n = S + 1 (bench/transfer_model.py)",
+        "transfer_model": "weights touched + docs/spec.md KV reads per layer and KV head, n = S + 1 (bench/transfer_model.py)",
         "results": results,
     }
     # measured again at the end: on a shared machine the better of the two is the machine's

@@ -6,7 +6,7 @@ k = 128, l = 0, 2 threads, n_kv = 1k..32k. Each graph holds L layers with their 
 so that the data read per step exceeds the last-level cache wherever the memory budget allows;
 the time per layer is the median over repeats of (graph time / L).
 
-Bytes per layer follow SPEC.md's transfer formulas (elements x 2 bytes for f16), per head:
+Bytes per layer follow docs/spec.md's transfer formulas (elements x 2 bytes for f16), per head:
 dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
 the first d elements of each K row, which the Loki op gets already rotated). The machine's read
 bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded

@@ -1,8 +1,8 @@
-"""Bytes one decode step (batch 1) reads: the weights it touches plus the KV cache reads of SPEC.md.
+"""Bytes one decode step (batch 1) reads: the weights it touches plus the KV cache reads of docs/spec.md.
 
 Weights: every matrix and norm of every layer, the output norm and head, and one row of the token
 embedding (a tied head, with no output.weight, reads the whole embedding), at their stored size
-(q8_0: 34 bytes per 32 values). KV, per layer and KV head, from SPEC.md's element counts in the
+(q8_0: 34 bytes per 32 values). KV, per layer and KV head, from docs/spec.md's element counts in the
 cache's real types (sparq_cpp.transfer): dense `(2n*D + 2*D)` elements of the cache type; SparQ
 `n*r` from the transposed K copy (f16, f32 for an f32 cache) + `(2k*D + 2*D)` of the cache type +
 `2*D` f32 (the V sum read and written); Loki `n*d + 2k*D + 2*D` of the cache type. n is the
@@ -79,7 +79,7 @@ def shape_from_geometry(geo, wtype: str) -> ModelShape:
 
 def kv_bytes_per_head(kind: str, n: int, D: int, cache_type: str, *, r: int = 16, k: int = 128,
                       d: int = 32) -> float:
-    """Attention data one decode step reads for one layer and KV head (SPEC.md), in bytes."""
+    """Attention data one decode step reads for one layer and KV head (docs/spec.md), in bytes."""
     if kind == "dense":
         return transfer.dense_bytes(n, D, cache_type)
     if kind == "sparq":

@@ -60,7 +60,7 @@ def _data(items):
               help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite "
                    "(reference); METHOD@ref or METHOD@llama picks the backend.")
 @click.option("--ratios", default="1,1/2,1/4,1/8,1/16", show_default=True,
-              help="Target compression ratios (attention data read / dense, SPEC.md).")
+              help="Target compression ratios (attention data read / dense, docs/spec.md).")
 @click.option("--samples", type=int, default=4, show_default=True, help="bpc / repetition / copy: samples per task.")
 @click.option("--context", type=int, default=512, show_default=True, help="bpc / repetition / copy: context tokens.")
 @click.option("--continuation", type=int, default=64, show_default=True, help="bpc: tokens scored per sample.")

@@ -146,7 +146,7 @@ def _attention(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant
 
 
 def _report_reads(llm, summary, n_kv):
-    """Attention data the last step read, against dense, from SPEC.md's transfer formulas."""
+    """Attention data the last step read, against dense, from docs/spec.md's transfer formulas."""
     from sparq_cpp.attention import Dense
 
     heads = summary.n_layer * summary.n_head_kv

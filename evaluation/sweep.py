@@ -1,4 +1,4 @@
-"""Settings that hit a target compression ratio at sequence length S (SPEC.md's transfer formulas).
+"""Settings that hit a target compression ratio at sequence length S (docs/spec.md's transfer formulas).
 
 Per method (D the head size; dense reads 2*S*D + 2*D per KV head and step):
 - sparq: r = round(target * D) (unless fixed), so ranking takes about half the budget; k from the
@@ -57,7 +57,7 @@ def _split_rank(target, S, D, extra, fixed):
 def settings(method: str, target: float, S: int, D: int, *, r: int | None = None, d: int | None = None,
              local: float = 0.25) -> dict | None:
     """Parameters of `method` for `target` at S visible positions, or None if out of reach. `local`: SparQ's
-    l as a share of k (SPEC.md's default 1/4)."""
+    l as a share of k (docs/spec.md's default 1/4)."""
     if method not in METHODS:
         raise SparqError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if method == "dense":

@@ -33,7 +33,7 @@ class Dense:
         pass
 
     def reads(self, n_kv: int, head_dim: int, cache_type: str = "f16") -> float:
-        """Bytes of attention data one decode step reads per KV head (SPEC.md transfer model)."""
+        """Bytes of attention data one decode step reads per KV head (docs/spec.md transfer model)."""
         return transfer.dense_bytes(n_kv, head_dim, cache_type)
 
 

@@ -1,6 +1,6 @@
-"""SPEC.md's transfer model: attention data one decode step reads, per KV head, for each method.
+"""docs/spec.md's transfer model: attention data one decode step reads, per KV head, for each method.
 
-Element counts follow SPEC.md exactly; `bytes_per_element` turns them into bytes for a cache type.
+Element counts follow docs/spec.md exactly; `bytes_per_element` turns them into bytes for a cache type.
 """
 from __future__ import annotations
 
@@ -64,5 +64,5 @@ def dense_bytes(n: int, D: int, cache_type: str = "f16") -> float:
 
 
 def compression(method_elements: float, n: int, D: int) -> float:
-    """A method's reads divided by dense reads (SPEC.md's compression ratio)."""
+    """A method's reads divided by dense reads (docs/spec.md's compression ratio)."""
     return method_elements / dense_elements(n, D)

@@ -1,4 +1,4 @@
-"""Evaluation baselines (reference/baselines.py) against SPEC.md "Baselines used in evaluation":
+"""Evaluation baselines (reference/baselines.py) against docs/spec.md "Baselines used in evaluation":
 plain-numpy oracles written from the text, k >= n equals dense, LM-Infinite's positions, H2O's
 permanent eviction, masks, and the compression ratios."""
 

@@ -1,5 +1,5 @@
 """bench/op_bench.py on a tiny geometry: it times the SparQ, Loki and flash-attention graphs, and
-writes a row per n_kv with the bytes SPEC.md's formulas give, and the bandwidth measured at the start
+writes a row per n_kv with the bytes docs/spec.md's formulas give, and the bandwidth measured at the start
 and after every row (the last of those is the end's)."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
     for row in doc["rows"]:
         n = row["n_kv"]
         assert row["layers"] == 2
-        # SPEC.md's transfer formulas, f16: per kv head n*r + 2*k*D + 4*D (SparQ), 2*n*D + 2*D (dense)
+        # docs/spec.md's transfer formulas, f16: per kv head n*r + 2*k*D + 4*D (SparQ), 2*n*D + 2*D (dense)
         assert row["sparq_bytes"] == 2 * 2 * (n * 8 + 2 * 32 * 128 + 4 * 128)
         assert row["dense_bytes"] == 2 * 2 * (2 * n * 128 + 2 * 128)
         assert row["loki_bytes"] == 2 * 2 * (n * 8 + 2 * 32 * 128 + 2 * 128)

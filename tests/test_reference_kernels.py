@@ -20,7 +20,7 @@ def _softmax(x):
 
 
 def sparq_numpy(q, k, v, mask, kv_pos, kq_scale, r, topk, l, mean_value):
-    """SPEC.md SparQ written from the text, loop by loop; returns (y, {(t, h): selected cells})."""
+    """docs/spec.md SparQ written from the text, loop by loop; returns (y, {(t, h): selected cells})."""
     q, k, v = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
     n_q, n_head, D = q.shape
     n_head_kv = k.shape[1]

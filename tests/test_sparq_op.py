@@ -1,4 +1,4 @@
-"""ggml_sparq_attn (the CPU op of the patched ggml) against the Numba reference (SPEC.md SparQ).
+"""ggml_sparq_attn (the CPU op of the patched ggml) against the Numba reference (docs/spec.md SparQ).
 
 Runs against $SPARQ_CPP_LIB_DIR (or the installed llama_cpp's lib/); skipped when that build has
 no ggml_sparq_attn. The reference is fed the values the op reads (f16 / dequantized q8_0 cache).

@@ -1,6 +1,6 @@
-"""Evaluation baselines of SPEC.md ("Baselines used in evaluation", the SparQ paper's Appendix G) in
+"""Evaluation baselines of docs/spec.md ("Baselines used in evaluation", the SparQ paper's Appendix G) in
 reference/attention.py's interface ``attn(q, k, v, mask, kv_pos, kq_scale, layer) -> y``, plus the
-compression ratio of any reference attention from SPEC.md's transfer formulas.
+compression ratio of any reference attention from docs/spec.md's transfer formulas.
 
 Budget convention, shared with SparQ here: ``k`` counts every position a query attends to, the
 query's own (just stored) position included, so a step reads ``2*k*D`` cached elements as SPEC's
@@ -258,7 +258,7 @@ class DensePrompt:
 
 def reads(method, n: int, D: int) -> float:
     """Elements of attention data one decode step of ``method`` reads per KV head at n visible
-    positions (SPEC.md's transfer formulas); method is any reference attention (or DensePrompt)."""
+    positions (docs/spec.md's transfer formulas); method is any reference attention (or DensePrompt)."""
     method = getattr(method, "method", method)
     name = getattr(method, "name", None)
     if name == "dense":
@@ -277,7 +277,7 @@ def reads(method, n: int, D: int) -> float:
 
 
 def compression_ratio(method, n: int, D: int) -> float:
-    """SPEC.md's compression ratio: the method's reads over dense reads at n visible positions."""
+    """docs/spec.md's compression ratio: the method's reads over dense reads at n visible positions."""
     if n < 1 or D < 1:
         raise SparqError(f"compression ratio needs n >= 1 and D >= 1, got n={n}, D={D}")
     return transfer.compression(reads(method, n, D), n, D)

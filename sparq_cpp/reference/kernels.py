@@ -1,4 +1,4 @@
-"""Numba kernels for the reference attention (the oracle for the C/CUDA ops; see SPEC.md).
+"""Numba kernels for the reference attention (the oracle for the C/CUDA ops; see docs/spec.md).
 
 Written for obviousness, not speed: one (query row, head or KV head) per parallel iteration,
 float64 accumulation, only cells with ``mask[t, c]`` True are ever read.
@@ -71,7 +71,7 @@ def _recency_order(cells, kv_pos):
 
 @numba.njit(cache=True, parallel=True)
 def sparq_kernel(q, k, v, mask, kv_pos, kq_scale, r, topk, local, mean_value, out, sel_out):
-    """SPEC.md SparQ steps 1-5 for every (query row, KV head).
+    """docs/spec.md SparQ steps 1-5 for every (query row, KV head).
 
     r = D with mean_value=False is exact top-k (SPEC "Baselines"). sel_out [n_q, n_head_kv, w]
     (w = min(topk, n_kv)) receives the selected cells in ascending cell order, padded with -1.

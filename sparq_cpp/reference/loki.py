@@ -1,4 +1,4 @@
-"""Loki reference attention (SPEC.md "Loki"), in attention.py's interface:
+"""Loki reference attention (docs/spec.md "Loki"), in attention.py's interface:
 ``attn(q, k, v, mask, kv_pos, kq_scale, layer) -> y``.
 
 q and k arrive as the model makes them (post-RoPE, unrotated); both are rotated by the layer's
