@@ -43,3 +43,15 @@ def test_transposed_copy_into_wider_rows(src_type, dst_type, n_cells, n_embd, n_
     want = np.swapaxes(k[:, :n_cells, :].astype(np.float32), 1, 2).astype(NP[dst_type])
     assert np.array_equal(got[:, :, :n_cells], want)
     assert np.all(got[:, :, n_cells:] == sentinel), "wrote past the view"
+
+
+def test_the_transposed_copy_bench_runs():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "transposed_copy", Path(__file__).resolve().parents[1] / "bench" / "micro" / "transposed_copy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(300, 200, reps=2, threads=2)
+    assert r["transposed"]["median_s"] > 0 and r["plain"]["median_s"] > 0 and r["ratio"] > 0
