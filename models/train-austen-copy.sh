@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The phases that made models/austen.q8_0.gguf and models/austen-gqa.q8_0.gguf (session 15), in order, as they
-# were run. They start from the session-5 MHA model (train-austen.sh), whose torch checkpoint is gone: the first
+# The phases that made models/austen.q8_0.gguf and models/austen-gqa.q8_0.gguf (the second stage), in order, as they
+# were run. They start from the first-stage MHA model (train-austen.sh), whose torch checkpoint is gone: the first
 # phase reads its GGUF file from git history (--init MODEL.gguf: its q8_0 weights, dequantized).
 # Needs `pip install -e '.[train]'`; ~50 minutes with 2 threads on a CPU with AVX512-BF16.
 set -euo pipefail
 B=${BUILD:-build}
 T="python -m sparq_cpp.train train"
 mkdir -p "$B"
-git show 98c7b45:models/austen.q8_0.gguf > "$B/austen-s5.q8_0.gguf"
+git show 98c7b45:models/austen.q8_0.gguf > "$B/austen-stage1.q8_0.gguf"
 # 1. random-word chunks (runs of one passage from random places), the passage's words drawn from only 6-48
 #    distinct words (--rand-vocab), half of the sequences; copying of random-word chunks rises from 0.12 to 0.84
-$T --out $B/copy1 --init $B/austen-s5.q8_0.gguf --ctx 512 --batch 4 --steps 2000 --lr 1e-3 --p-random 0.5 \
+$T --out $B/copy1 --init $B/austen-stage1.q8_0.gguf --ctx 512 --batch 4 --steps 2000 --lr 1e-3 --p-random 0.5 \
    --random-layout chunks --rand-vocab 6:48 --eval-every 250 --bf16 --threads 2
 # 2. the same chunks cut from passages of training text (--rand-text): common tokens recur, so copying has to
 #    match several tokens back, as in ordinary text

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The phases that made models/austen.q8_0.gguf and models/austen-gqa.q8_0.gguf, in order, as they
-# were run (sessions 4-5; several were stopped early, which --stop-at repeats). Each phase starts
-# from the previous one's checkpoint (--init); its training.json keeps the whole chain.
+# The phases of the first stage, which made the models/austen.q8_0.gguf and models/austen-gqa.q8_0.gguf of
+# commit 98c7b45 (train-austen-copy.sh goes on from them), in order, as they were run (several were stopped
+# early, which --stop-at repeats). Each phase starts from the previous one's checkpoint (--init); its
+# training.json keeps the whole chain.
 # Needs `pip install -e '.[train]'`; ~2 hours on one core of a CPU with AVX512-BF16 (phases 1-3
 # ran in float32, ~2.7k tokens/s; --bf16 is 2x faster there).
 set -euo pipefail

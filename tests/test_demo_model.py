@@ -50,7 +50,7 @@ def test_demo_model_copies_across_1k_tokens_of_text(demo):
     Prejudice's first chapter (repeated, as AUSTEN * 8), then the passage's first 20 words: the model
     goes on with the passage's next words (greedy), far more often than when the passage was never
     in the context (the control: the same prompt without it). Measured on the committed models: 46
-    (MHA) and 24 (GQA) of 48 words with the passage, 0 without (the session-5 models: 36 and 38)."""
+    (MHA) and 24 (GQA) of 48 words with the passage, 0 without (the first-stage models of commit 98c7b45: 36 and 38)."""
     import numpy as np
 
     from sparq_cpp.tokenizer import _WORDS
@@ -117,7 +117,7 @@ def test_demo_model_copies_ordinary_text_across_1k_tokens(demo):
     """Copying of ordinary text (the text-repetition and needle tasks rest on it): a new sentence, then ~1.2k
     tokens of other text, then the sentence's first half: the model goes on with its next words (greedy), and not
     when the sentence was never in the context. Measured on the committed models: 32 (MHA) and 24 (GQA) of 48
-    words with the sentence, 0 and 2 without; the session-5 models, which copied only random words: 3 and 3, 2
+    words with the sentence, 0 and 2 without; the first-stage models, which copied only random words: 3 and 3, 2
     and 3."""
     paras = [p for p in (AUSTEN * 8).split("\n\n") if p]
     llm, _ = _demo(demo)

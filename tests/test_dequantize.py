@@ -57,7 +57,7 @@ def test_bad_input(tmp_path):
 
 def test_sparq_equals_the_reference_on_the_f32_copy(copy, tmp_path):
     """The trained model without its q8_0 rounding: llama.cpp's SparQ and the reference's give the same bits per
-    character to 1e-4 (on the q8_0 file of session 15's model they differ by 1.6e-4 and 2.9e-4 here)."""
+    character to 1e-4 (on the committed q8_0 file they differ by 1.6e-4 and 2.9e-4 in this test)."""
     pytest.importorskip("llama_cpp")
     out = tmp_path / "eval.json"
     proc = run("eval", "--gguf", str(copy), "--tasks", "bpc", "--methods", "sparq,sparq@ref", "--ratios", "1/8",
