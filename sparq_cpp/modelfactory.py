@@ -1,4 +1,5 @@
-"""Synthetic Llama-architecture GGUF models: real shapes, random weights, a working tokenizer.
+"""Synthetic GGUF models of llama.cpp architectures with ordinary attention (llama, qwen2, qwen3, phi3,
+gemma3, olmo2, granite): real shapes, random weights, a working tokenizer.
 
 No weights can be downloaded, so tests and benchmarks run on models written here. Weights are
 uniform int8 codes times a per-row scale, so the f32 and q8_0 files of one seed hold exactly the
@@ -6,6 +7,9 @@ same model (f16 rounds it). q and k projections get a per-head spectrum and a ga
 attention is peaked and keys are roughly low-rank, as in trained models, which SparQ and Loki
 rely on. Tensors are generated and written one at a time, each from its own RNG stream, so memory
 stays bounded by the largest tensor and `layers=2` gives the first two layers of the full model.
+Architectures whose q and k pass through an RMS norm (qwen3, gemma3, olmo2) get the gain in the norm
+weights, since the norm removes any scale the projection had; their other norms are near-1 noise, so
+a norm applied in the wrong place shows in the logits.
 """
 from __future__ import annotations
 
@@ -44,6 +48,11 @@ SPECTRUM_POWER = 0.75
 _CHUNK = 1 << 24  # elements generated at a time
 
 
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
+# q projection width is n_embd in these graphs (llama.cpp loads attn_q as {n_embd, n_embd})
+_Q_IS_N_EMBD = ("qwen2", "phi3", "olmo2")
+
+
 @dataclass(frozen=True)
 class ModelGeometry:
     n_layer: int
@@ -55,10 +64,30 @@ class ModelGeometry:
     n_ctx_train: int
     rope_freq_base: float = 10000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"
+    key_length: int | None = None  # head size when it is not n_embd / n_head ({arch}.attention.key_length)
+    # gemma3: interleaved sliding window; layer il is a window layer when il % swa_pattern < swa_pattern - 1
+    n_swa: int = 0
+    swa_pattern: int = 0
+    rope_freq_base_swa: float = 10000.0
+    # granite: 0 = not written
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    attention_scale: float = 0.0
+    logit_scale: float = 0.0
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length if self.key_length else self.n_embd // self.n_head
+
+    def is_swa(self, il: int) -> bool:
+        """llama.cpp's set_swa_pattern (dense_first false) for a model with a window."""
+        return self.n_swa > 0 and il % self.swa_pattern < self.swa_pattern - 1
+
+    @property
+    def kq_scale(self) -> float:
+        """The attention score scale llama.cpp uses for this geometry."""
+        return self.attention_scale or 1.0 / float(np.sqrt(self.head_dim))
 
 
 PRESETS: dict[str, ModelGeometry] = {
@@ -67,6 +96,17 @@ PRESETS: dict[str, ModelGeometry] = {
     "llama2-7b": ModelGeometry(32, 4096, 32, 32, 11008, 32000, 4096),
     "llama3-8b": ModelGeometry(32, 4096, 32, 8, 14336, 128256, 8192, rope_freq_base=500000.0),
     "mistral-7b": ModelGeometry(32, 4096, 32, 8, 14336, 32000, 32768),
+    # one small model per architecture, head sizes spread over 64..256
+    "tiny-qwen2": ModelGeometry(2, 256, 4, 2, 512, 2048, 4096, rope_freq_base=1000000.0, rms_eps=1e-6,
+                                arch="qwen2"),
+    "tiny-qwen3": ModelGeometry(2, 256, 4, 2, 512, 2048, 4096, rope_freq_base=1000000.0, rms_eps=1e-6,
+                                arch="qwen3", key_length=128),
+    "tiny-phi3": ModelGeometry(2, 384, 4, 4, 512, 2048, 4096, arch="phi3"),
+    "tiny-gemma3": ModelGeometry(4, 256, 2, 1, 512, 2048, 4096, rope_freq_base=1000000.0, rms_eps=1e-6,
+                                 arch="gemma3", key_length=256, n_swa=32, swa_pattern=2),
+    "tiny-olmo2": ModelGeometry(2, 320, 4, 2, 512, 2048, 4096, rms_eps=1e-6, arch="olmo2"),
+    "tiny-granite": ModelGeometry(2, 448, 4, 2, 768, 2048, 4096, arch="granite", embedding_scale=12.0,
+                                  residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0),
 }
 
 _FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
@@ -109,8 +149,28 @@ def _check_geometry(g: ModelGeometry, wtype: str) -> None:
     for name in ("rope_freq_base", "rms_eps"):
         if not float(getattr(g, name)) > 0:
             raise SparqError(f"{name}: must be > 0, got {getattr(g, name)!r}")
-    if g.n_embd % g.n_head:
+    if g.arch not in ARCHS:
+        raise SparqError(f"arch: unknown {g.arch!r} (choose from {', '.join(ARCHS)})")
+    if g.key_length is not None:
+        if not _is_int(g.key_length) or g.key_length < 1:
+            raise SparqError(f"key_length: must be an integer >= 1, got {g.key_length!r}")
+        if g.arch in _Q_IS_N_EMBD and g.key_length * g.n_head != g.n_embd:
+            raise SparqError(f"key_length: {g.arch} needs n_head * key_length == n_embd ({g.n_embd})")
+    elif g.n_embd % g.n_head:
         raise SparqError(f"n_embd: {g.n_embd} is not divisible by n_head {g.n_head}")
+    if g.n_swa or g.swa_pattern:
+        if g.arch != "gemma3":
+            raise SparqError(f"n_swa: the factory writes sliding-window layers for gemma3 only, not {g.arch}")
+        if not (_is_int(g.n_swa) and g.n_swa >= 1 and _is_int(g.swa_pattern) and g.swa_pattern >= 1):
+            raise SparqError(f"n_swa, swa_pattern: must be integers >= 1, got {g.n_swa!r}, {g.swa_pattern!r}")
+    for name in ("embedding_scale", "residual_scale", "attention_scale", "logit_scale"):
+        value = getattr(g, name)
+        if value and g.arch != "granite":
+            raise SparqError(f"{name}: only granite models have it")
+        if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
+            raise SparqError(f"{name}: must be a finite number >= 0, got {value!r}")
+    if g.arch == "granite" and not g.logit_scale > 0:
+        raise SparqError("logit_scale: granite needs one > 0 (llama.cpp requires the key)")
     if g.head_dim % 2:
         raise SparqError(f"n_head: head size n_embd/n_head = {g.head_dim} must be even for RoPE")
     if g.n_head % g.n_head_kv:
@@ -121,6 +181,8 @@ def _check_geometry(g: ModelGeometry, wtype: str) -> None:
         for name in ("n_embd", "n_ff"):
             if getattr(g, name) % QK8_0:
                 raise SparqError(f"{name}: must be a multiple of {QK8_0} for wtype q8_0")
+        if g.n_head * g.head_dim % QK8_0:
+            raise SparqError(f"key_length: n_head * head size must be a multiple of {QK8_0} for wtype q8_0")
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -167,32 +229,74 @@ def _matrix(rng: np.random.Generator, row_std: np.ndarray, cols: int, wtype: str
     return out
 
 
+def _qk_gain(g: ModelGeometry, base: np.ndarray) -> float:
+    """The factor on q and k components (spectrum `base`, mean square 1) that puts the attention logits'
+    std at QK_LOGIT_STD: var(kq_scale * q.k) = kq_scale^2 * D * gain^4 * mean(s^4)."""
+    if not g.attention_scale:  # kq_scale = 1/sqrt(D): the formula the llama presets were written with
+        return np.sqrt(QK_LOGIT_STD / np.sqrt(np.mean(base**4)))
+    return np.sqrt(QK_LOGIT_STD / (np.sqrt(np.mean(base**4)) * g.attention_scale * np.sqrt(g.head_dim)))
+
+
+def _spectrum_base(g: ModelGeometry) -> np.ndarray:
+    base = (np.arange(g.head_dim // 2) + 1.0) ** (-SPECTRUM_POWER / 2)
+    return base / np.sqrt(np.mean(base**2))
+
+
 def _qk_row_std(g: ModelGeometry, seed: int, il: int, n_heads: int) -> np.ndarray:
     """Per-row std of attn_q or attn_k: a spectrum over rotary pairs shared by q and k heads.
 
-    llama.cpp's RoPE (normal mode) rotates pairs of adjacent dimensions, so both get one scale.
-    A query head uses the spectrum of the KV head it reads. The gain puts the attention logits'
-    std at QK_LOGIT_STD: with q_j, k_j ~ gain * s_j, var(q.k / sqrt(D)) = gain^4 * mean(s^4).
+    RoPE rotates pairs of dimensions (adjacent ones in llama.cpp's normal mode, i and i + D/2 in NeoX
+    mode), and both members of a pair get one scale. A query head uses the spectrum of the KV head
+    it reads. The gain puts the attention logits' std at QK_LOGIT_STD: with q_j, k_j ~ gain * s_j,
+    var(q.k / sqrt(D)) = gain^4 * mean(s^4).
     """
-    n_pair = g.head_dim // 2
-    base = (np.arange(n_pair) + 1.0) ** (-SPECTRUM_POWER / 2)
-    base /= np.sqrt(np.mean(base**2))
+    base = _spectrum_base(g)
     rng = _rng(seed, f"blk.{il}.qk_spectrum")
     spectra = np.stack([rng.permutation(base) for _ in range(g.n_head_kv)])  # (kv heads, pairs)
-    gain = np.sqrt(QK_LOGIT_STD / np.sqrt(np.mean(base**4)))
+    gain = _qk_gain(g, base)
     per_head = np.repeat(spectra, n_heads // g.n_head_kv, axis=0)  # q heads share their KV head's
-    per_row = np.repeat(per_head, 2, axis=1).reshape(-1)
+    if _rope_neox(g):
+        per_row = np.concatenate([per_head, per_head], axis=1).reshape(-1)
+    else:
+        per_row = np.repeat(per_head, 2, axis=1).reshape(-1)
     return gain * per_row / np.sqrt(g.n_embd)
 
 
+def _rope_neox(g: ModelGeometry) -> bool:
+    """llama.cpp's rope type for the architecture (llama_model_rope_type)."""
+    return g.arch in ("qwen2", "qwen3", "phi3", "gemma3", "olmo2")
+
+
+@dataclass(frozen=True)
+class _Vec:
+    """An f32 vector tensor (norm weight or bias): `mean` plus N(0, std) noise from the tensor's stream."""
+    mean: float
+    std: float = 0.0
+
+    def values(self, seed: int, name: str, n: int) -> np.ndarray:
+        v = np.full(n, self.mean, np.float32)
+        if self.std:
+            v += (self.std * _rng(seed, name).standard_normal(n)).astype(np.float32)
+        return v
+
+
+def _is_vector(row_std) -> bool:
+    return row_std is None or isinstance(row_std, _Vec)
+
+
 def _tensors(g: ModelGeometry, seed: int) -> Iterator[tuple[str, int, int, object]]:
-    """(name, rows, cols, row std or None for an f32 norm of ones) in llama.cpp's order; the row std
-    is a function that makes it, so the list of all tensors takes no memory until one is written.
+    """(name, rows, cols, row std) in llama.cpp's order. The row std is a function that makes it, so
+    the list of all tensors takes no memory until one is written; None is an f32 norm of ones, a
+    _Vec another f32 vector.
 
     Row stds are 1/sqrt(fan_in) so every projection keeps unit-scale activations; the embedding
-    has unit std so the first layer sees inputs like the residual stream's.
+    has unit std (after the architecture's embedding scale) so the first layer sees inputs like
+    the residual stream's.
     """
-    n_q, n_kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    D = g.head_dim
+    n_q, n_kv = g.n_head * D, g.n_head_kv * D
+    arch = g.arch
+    norm = None if arch == "llama" else _Vec(1.0, 0.1)  # llama keeps the ones its files always had
 
     def flat(rows: int, fan_in: int):
         return lambda: np.full(rows, 1.0 / np.sqrt(fan_in))
@@ -200,26 +304,54 @@ def _tensors(g: ModelGeometry, seed: int) -> Iterator[tuple[str, int, int, objec
     def qk(il: int, n_heads: int):
         return lambda: _qk_row_std(g, seed, il, n_heads)
 
-    yield "token_embd.weight", g.n_vocab, g.n_embd, lambda: np.ones(g.n_vocab)
+    def qkv(il: int):
+        return lambda: np.concatenate([_qk_row_std(g, seed, il, g.n_head), _qk_row_std(g, seed, il, g.n_head_kv),
+                                       np.full(n_kv, 1.0 / np.sqrt(g.n_embd))])
+
+    embd_std = 1.0 / np.sqrt(g.n_embd) if arch == "gemma3" else 1.0 / g.embedding_scale if g.embedding_scale else 1.0
+    qk_norm = _Vec(float(_qk_gain(g, _spectrum_base(g))))  # the norm removes the projection's scale
+    yield "token_embd.weight", g.n_vocab, g.n_embd, lambda: np.full(g.n_vocab, embd_std)
     for il in range(g.n_layer):
         b = f"blk.{il}."
-        yield b + "attn_norm.weight", 1, g.n_embd, None
-        yield b + "attn_q.weight", n_q, g.n_embd, qk(il, g.n_head)
-        yield b + "attn_k.weight", n_kv, g.n_embd, qk(il, g.n_head_kv)
-        yield b + "attn_v.weight", n_kv, g.n_embd, flat(n_kv, g.n_embd)
+        if arch != "olmo2":  # olmo2 has post-norms only
+            yield b + "attn_norm.weight", 1, g.n_embd, norm
+        if arch == "phi3":
+            yield b + "attn_qkv.weight", n_q + 2 * n_kv, g.n_embd, qkv(il)
+        else:
+            yield b + "attn_q.weight", n_q, g.n_embd, qk(il, g.n_head)
+            yield b + "attn_k.weight", n_kv, g.n_embd, qk(il, g.n_head_kv)
+            yield b + "attn_v.weight", n_kv, g.n_embd, flat(n_kv, g.n_embd)
+        if arch == "qwen2":
+            for t, n in (("q", n_q), ("k", n_kv), ("v", n_kv)):
+                yield b + f"attn_{t}.bias", 1, n, _Vec(0.0, 0.1)
         yield b + "attn_output.weight", g.n_embd, n_q, flat(g.n_embd, n_q)
-        yield b + "ffn_norm.weight", 1, g.n_embd, None
-        yield b + "ffn_gate.weight", g.n_ff, g.n_embd, flat(g.n_ff, g.n_embd)
-        yield b + "ffn_up.weight", g.n_ff, g.n_embd, flat(g.n_ff, g.n_embd)
+        if arch in ("qwen3", "gemma3"):  # per head
+            yield b + "attn_q_norm.weight", 1, D, qk_norm
+            yield b + "attn_k_norm.weight", 1, D, qk_norm
+        elif arch == "olmo2":  # over the whole projection
+            yield b + "attn_q_norm.weight", 1, n_q, qk_norm
+            yield b + "attn_k_norm.weight", 1, n_kv, qk_norm
+        if arch in ("gemma3", "olmo2"):
+            yield b + "post_attention_norm.weight", 1, g.n_embd, norm
+        if arch != "olmo2":
+            yield b + "ffn_norm.weight", 1, g.n_embd, norm
+        if arch == "phi3":  # gate and up fused: rows [0, n_ff) are the gate
+            yield b + "ffn_up.weight", 2 * g.n_ff, g.n_embd, flat(2 * g.n_ff, g.n_embd)
+        else:
+            yield b + "ffn_gate.weight", g.n_ff, g.n_embd, flat(g.n_ff, g.n_embd)
+            yield b + "ffn_up.weight", g.n_ff, g.n_embd, flat(g.n_ff, g.n_embd)
         yield b + "ffn_down.weight", g.n_embd, g.n_ff, flat(g.n_embd, g.n_ff)
-    yield "output_norm.weight", 1, g.n_embd, None
+        if arch in ("gemma3", "olmo2"):
+            yield b + "post_ffw_norm.weight", 1, g.n_embd, norm
+    yield "output_norm.weight", 1, g.n_embd, norm
     yield "output.weight", g.n_vocab, g.n_embd, flat(g.n_vocab, g.n_embd)
 
 
 # ---- file ---------------------------------------------------------------------------------
 
 def _add_metadata(w: GGUFWriter, g: ModelGeometry, preset: str, wtype: str, seed: int) -> None:
-    w.add_name(f"sparq-synthetic-{preset}")
+    # llama.cpp's vocab loader expects Phi-3's special tokens in a model whose name contains "phi3"
+    w.add_name(f"sparq-synthetic-{preset}".replace("phi3", "phi-iii"))
     w.add_file_type(int(_FILE_TYPES[wtype]))
     w.add_quantization_version(GGML_QUANT_VERSION)
     w.add_context_length(g.n_ctx_train)
@@ -232,6 +364,17 @@ def _add_metadata(w: GGUFWriter, g: ModelGeometry, preset: str, wtype: str, seed
     w.add_rope_freq_base(float(g.rope_freq_base))
     w.add_rope_dimension_count(g.head_dim)
     w.add_vocab_size(g.n_vocab)
+    if g.key_length:
+        w.add_key_length(g.head_dim)
+        w.add_value_length(g.head_dim)
+    if g.n_swa:
+        w.add_sliding_window(g.n_swa)
+        w.add_uint32(f"{g.arch}.attention.sliding_window_pattern", g.swa_pattern)
+        w.add_rope_freq_base_swa(float(g.rope_freq_base_swa))
+    for key, value in (("embedding_scale", g.embedding_scale), ("residual_scale", g.residual_scale),
+                       ("attention.scale", g.attention_scale), ("logit_scale", g.logit_scale)):
+        if value:
+            w.add_float32(f"{g.arch}.{key}", float(value))
     w.add_string("sparq.preset", preset)
     w.add_uint64("sparq.seed", seed)
     w.add_uint32("sparq.factory_version", FACTORY_VERSION)
@@ -256,7 +399,7 @@ def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
     qtype = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
              "q8_0": GGMLQuantizationType.Q8_0}[wtype]
     for name, rows, cols, row_std in specs:
-        if row_std is None:  # norms are always f32 vectors
+        if _is_vector(row_std):  # norms and biases are always f32 vectors
             w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
             continue
         shape, dtype = _storage(rows, cols, wtype)
@@ -266,7 +409,7 @@ def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
 
 def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype: str = "f32",
                 seed: int = 0, progress: bool = False, make_parents: bool = False, **overrides) -> Path:
-    """Write a synthetic Llama GGUF to path (atomically) and return the path.
+    """Write a synthetic GGUF (the preset's architecture) to path (atomically) and return the path.
 
     overrides replace ModelGeometry fields of the preset; `layers` replaces n_layer. The same
     arguments always give a byte-identical file. path's directory must exist unless make_parents.
@@ -293,7 +436,7 @@ def write_footprint(g: ModelGeometry, wtype: str) -> dict:
     the metadata is a few bytes per token more), and the `largest` tensor's name and size."""
     peak, disk, largest = 0, 0, ("", 0)
     for name, rows, cols, row_std in _tensors(g, 0):
-        if row_std is None:
+        if _is_vector(row_std):
             disk += cols * 4
             continue
         shape, dtype = _storage(rows, cols, wtype)
@@ -322,7 +465,7 @@ def check_resources(g: ModelGeometry, wtype: str, path: Path) -> None:
 
 def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, seed: int,
            progress: str | bool) -> None:
-    w = GGUFWriter(tmp, "llama")
+    w = GGUFWriter(tmp, g.arch)
     try:
         _add_metadata(w, g, preset, wtype, seed)
         _add_tokenizer(w, g.n_vocab)
@@ -333,6 +476,8 @@ def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, se
         for name, rows, cols, row_std in _progress(specs, progress):
             if row_std is None:
                 w.write_tensor_data(np.ones(cols, np.float32))
+            elif isinstance(row_std, _Vec):
+                w.write_tensor_data(row_std.values(seed, name, cols))
             else:
                 w.write_tensor_data(_matrix(_rng(seed, name), row_std(), cols, wtype))
     finally:

@@ -1,4 +1,17 @@
-"""Whole-model numpy reference of llama.cpp's LLM_ARCH_LLAMA graph, with pluggable attention.
+"""Whole-model numpy reference of llama.cpp's graphs for the ordinary-attention architectures
+(src/models/{llama,qwen2,qwen3,phi3,gemma3,olmo2,granite}.cpp), with pluggable attention.
+
+Per architecture, on top of the llama graph below: qwen2 adds the q/k/v biases after the matmuls;
+qwen3 and gemma3 RMS-norm q and k per head before RoPE, olmo2 over the whole projection (and has no
+pre-norms: its attention and FFN outputs are RMS-normed before each residual add, as gemma3's are
+in addition to its pre-norms); qwen2, qwen3, phi3, gemma3 and olmo2 use NeoX RoPE (pairs (x[i],
+x[i + n_rot/2])); phi3 and gemma3 multiply q by 1/sqrtf(D) after RoPE and attend with scale 1;
+gemma3 multiplies the embeddings by sqrtf(n_embd), uses a GELU-gated FFN (ggml's f16 GELU table)
+and, on its sliding-window layers, a separate RoPE base and the window mask (a cell at p0 is
+hidden from a token at p1 when p1 - p0 >= n_swa, LLAMA_SWA_TYPE_STANDARD); granite multiplies the
+embeddings by embedding_scale, the attention and FFN outputs by residual_scale, and divides the
+logits by logit_scale. Window layers always attend densely (``window_attention``); the pluggable
+``attention`` runs on the full-attention layers, as llama.cpp's sparse modes do.
 
 Follows src/models/llama.cpp and the ggml CPU ops step by step: RMSNorm as ggml_rms_norm (squares
 summed in double, scale = 1/sqrtf(mean + eps), y = x*scale*w in f32); RoPE type NORM (adjacent pairs
@@ -77,6 +90,45 @@ def rope_cos_sin(positions, n_rot, freq_base, freq_scale=1.0, freq_factors=None)
                        np.float32(freq_scale), ff)
 
 
+def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE type NEOX on x [n_tokens, n_heads, D] (n_rot == D): rotate (x[i], x[i + D/2]) by theta_i."""
+    h = x.shape[-1] // 2
+    x0, x1 = x[..., :h], x[..., h:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    y = np.empty_like(x)
+    y[..., :h] = x0 * c - x1 * s
+    y[..., h:] = x0 * s + x1 * c
+    return y
+
+
+@numba.njit(cache=True)
+def _gelu_f32(xs):
+    # ggml_gelu_f32 in f32 with tanhf (Numba's float32 math.tanh calls libm's tanhf, as ggml does)
+    out = np.empty(xs.shape[0], np.float32)
+    c = np.float32(0.79788456080286535587989211986876)
+    a = np.float32(0.044715)
+    for i in range(xs.shape[0]):
+        x = xs[i]
+        out[i] = np.float32(0.5) * x * (np.float32(1.0) + math.tanh(c * x * (np.float32(1.0) + a * x * x)))
+    return out
+
+
+_GELU_TABLE = None
+
+
+def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """ggml_geglu_split on the CPU (GGML_GELU_FP16): gelu(gate) * up, gelu looked up at f16(gate)."""
+    global _GELU_TABLE
+    if _GELU_TABLE is None:
+        # ggml_table_gelu_f16: gelu of every f16 value, rounded to f16
+        xs = np.arange(65536).astype(np.uint16).view(np.float16).astype(F32)
+        _GELU_TABLE = _gelu_f32(xs).astype(np.float16).astype(F32)
+    idx = gate.astype(np.float16).view(np.uint16)
+    g = _GELU_TABLE[idx]
+    g = np.where(gate <= F32(-10.0), F32(0.0), np.where(gate >= F32(10.0), gate, g)).astype(F32)
+    return g * up
+
+
 def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """RoPE type NORM on x [n_tokens, n_heads, D]: rotate (x[2i], x[2i+1]) by theta_i."""
     x0, x1 = x[..., 0::2], x[..., 1::2]
@@ -121,7 +173,7 @@ class LlamaReference:
     Float64 copies of the weights are kept per instance: meant for small models.
     """
 
-    def __init__(self, path_or_model, attention=None, cache_type="f32", emulate_ggml=True):
+    def __init__(self, path_or_model, attention=None, cache_type="f32", emulate_ggml=True, window_attention=None):
         if isinstance(path_or_model, LlamaModel):
             self.model = path_or_model
         elif isinstance(path_or_model, (str, os.PathLike)):
@@ -132,6 +184,8 @@ class LlamaReference:
             raise SparqError(f"cache_type must be 'f32' or 'f16', got {cache_type!r}")
         self.hp = self.model.hparams
         self.attention = attention if attention is not None else DenseAttention()
+        # sliding-window layers (gemma3): dense over the window, whatever runs on the full layers
+        self.window_attention = window_attention if window_attention is not None else DenseAttention()
         self.cache_type = cache_type
         self.emulate_ggml = bool(emulate_ggml)
         self._w64 = {}
@@ -209,40 +263,72 @@ class LlamaReference:
         n_kv = c0 + n
         kv_pos = self.kv_pos[:n_kv]
         mask = kv_pos[None, :] <= positions[:, None]  # llama.cpp masks cells with pos > token pos
+        # is_masked_swa (STANDARD): a cell at p0 is hidden from a token at p1 when p1 - p0 >= n_swa
+        swa_mask = mask & (positions[:, None] - kv_pos[None, :] < hp.n_swa) if hp.swa_layers else None
         cos, sin = rope_cos_sin(positions, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, m.rope_freqs)
+        cos_swa = sin_swa = None
+        if hp.swa_layers:
+            cos_swa, sin_swa = rope_cos_sin(positions, hp.n_rot, hp.rope_freq_base_swa, hp.rope_freq_scale_swa,
+                                            m.rope_freqs)
+        rope = rope_neox if hp.rope_neox else rope_norm
         H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
 
         x = m.tok_embd[tokens].astype(F32)
+        if hp.embd_scale:
+            x = x * F32(hp.embd_scale)
         for il, L in enumerate(m.layers):
             p = f"blk.{il}."
-            cur = rms_norm(x, L.attn_norm, hp.rms_eps)
+            swa = hp.is_swa(il)
+            inp = x
+            cur = rms_norm(x, L.attn_norm, hp.rms_eps) if L.attn_norm is not None else x
             cb("attn_norm", cur, il)
-            q = self._mm(cur, L.wq, p + "attn_q.weight").reshape(n, H, D)
-            k = self._mm(cur, L.wk, p + "attn_k.weight").reshape(n, Hkv, D)
-            v = self._mm(cur, L.wv, p + "attn_v.weight").reshape(n, Hkv, D)
-            q = rope_norm(q, cos, sin)
-            k = rope_norm(k, cos, sin)
+            q = self._mm(cur, L.wq, p + "attn_q.weight")
+            k = self._mm(cur, L.wk, p + "attn_k.weight")
+            v = self._mm(cur, L.wv, p + "attn_v.weight")
+            if L.bq is not None:
+                q, k, v = q + L.bq, k + L.bk, v + L.bv
+            if hp.arch == "olmo2":  # q/k norm over the whole projection, before the per-head view
+                q, k = rms_norm(q, L.q_norm, hp.rms_eps), rms_norm(k, L.k_norm, hp.rms_eps)
+            q, k, v = q.reshape(n, H, D), k.reshape(n, Hkv, D), v.reshape(n, Hkv, D)
+            if hp.arch in ("qwen3", "gemma3"):  # per head
+                q, k = rms_norm(q, L.q_norm, hp.rms_eps), rms_norm(k, L.k_norm, hp.rms_eps)
+            q = rope(q, cos_swa, sin_swa) if swa else rope(q, cos, sin)
+            k = rope(k, cos_swa, sin_swa) if swa else rope(k, cos, sin)
+            if hp.q_scale:
+                q = q * F32(hp.q_scale)
             for name, a in (("Qcur", q), ("Kcur", k), ("Vcur", v)):
                 cb(name, a, il)
             self.k_cache[il][c0 : c0 + n] = self._store(k)
             self.v_cache[il][c0 : c0 + n] = self._store(v)
-            y = self.attention(q, self.k_cache[il][:n_kv], self.v_cache[il][:n_kv], mask, kv_pos,
-                               hp.kq_scale, il)
+            attn = self.window_attention if swa else self.attention
+            y = attn(q, self.k_cache[il][:n_kv], self.v_cache[il][:n_kv], swa_mask if swa else mask, kv_pos,
+                     hp.kq_scale, il)
             cb("kqv_out", y, il)
             attn_out = self._mm(y.reshape(n, H * D), L.wo, p + "attn_output.weight")
             cb("attn_out", attn_out, il)
-            x = x + attn_out
+            if L.attn_post_norm is not None:
+                attn_out = rms_norm(attn_out, L.attn_post_norm, hp.rms_eps)
+            if hp.residual_scale:
+                attn_out = attn_out * F32(hp.residual_scale)
+            x = attn_out + inp
             cb("ffn_inp", x, il)
 
-            cur = rms_norm(x, L.ffn_norm, hp.rms_eps)
+            cur = rms_norm(x, L.ffn_norm, hp.rms_eps) if L.ffn_norm is not None else x
             cb("ffn_norm", cur, il)
             gate = self._mm(cur, L.ffn_gate, p + "ffn_gate.weight")
             up = self._mm(cur, L.ffn_up, p + "ffn_up.weight")
-            with np.errstate(over="ignore"):  # exp(-gate) = inf gives silu = -0, as in ggml
-                act = (gate / (F32(1.0) + np.exp(-gate))) * up  # silu(gate) * up, in f32
+            if hp.ffn_gelu:
+                act = geglu(gate, up)
+            else:
+                with np.errstate(over="ignore"):  # exp(-gate) = inf gives silu = -0, as in ggml
+                    act = (gate / (F32(1.0) + np.exp(-gate))) * up  # silu(gate) * up, in f32
             for name, a in (("ffn_gate", gate), ("ffn_up", up), ("ffn_swiglu", act)):
                 cb(name, a, il)
             ffn_out = self._mm(act, L.ffn_down, p + "ffn_down.weight")
+            if L.ffn_post_norm is not None:
+                ffn_out = rms_norm(ffn_out, L.ffn_post_norm, hp.rms_eps)
+            if hp.residual_scale:
+                ffn_out = ffn_out * F32(hp.residual_scale)
             cb("ffn_out", ffn_out, il)
             x = x + ffn_out
             cb("l_out", x, il)
@@ -251,5 +337,7 @@ class LlamaReference:
         cur = rms_norm(x, m.output_norm, hp.rms_eps)
         cb("result_norm", cur)
         logits = self._mm(cur, m.output, "output.weight")
+        if hp.logit_scale:
+            logits = logits * (F32(1.0) / F32(hp.logit_scale))
         cb("result_output", logits)
         return logits

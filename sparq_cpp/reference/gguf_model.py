@@ -1,4 +1,8 @@
-"""Read a Llama-family GGUF into numpy: hyperparameters and float32 weights.
+"""Read a GGUF of one of llama.cpp's ordinary-attention architectures into numpy: hyperparameters and
+float32 weights. llama, qwen2 (QKV biases), qwen3 (per-head q/k norms), phi3 (fused QKV and gate/up,
+split here into the separate matrices: a row of a fused product is the same dot product), gemma3
+(interleaved sliding window, pre and post norms, GELU), olmo2 (post norms, q/k norms over the whole
+projection) and granite (embedding, residual, attention and logit scales).
 
 Weights keep their GGUF type (``LlamaModel.wtypes``) so the forward pass can mimic how ggml's CPU
 matmul rounds activations for that type. numpy shapes are ggml ``ne`` reversed, so a matmul weight
@@ -20,8 +24,13 @@ from sparq_cpp.gguf_check import open_gguf
 SUPPORTED_WTYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0)
 
 
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
+_NEOX = ("qwen2", "qwen3", "phi3", "gemma3", "olmo2")  # llama_model_rope_type: LLAMA_ROPE_TYPE_NEOX
+
+
 @dataclass
 class LlamaHParams:
+    """Hyperparameters of any architecture in ARCHS (the name is historical; ModelHParams is an alias)."""
     n_layer: int
     n_embd: int
     n_head: int
@@ -34,24 +43,49 @@ class LlamaHParams:
     rope_freq_scale: float  # 1/factor for linear scaling, else 1
     n_rot: int
     head_dim: int
-    kq_scale: float  # llama.cpp: attention.scale if set, else 1/sqrt(head_dim)
+    kq_scale: float  # the score scale build_attn gets (1 where the graph scales q itself)
+    arch: str = "llama"
+    rope_neox: bool = False  # rotate (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1])
+    q_scale: float = 0.0  # phi3, gemma3: q *= q_scale after RoPE (ggml_scale), kq_scale is then 1
+    # interleaved sliding window (gemma3): per layer True for a window layer; n_swa positions visible
+    swa_layers: tuple = ()
+    n_swa: int = 0
+    rope_freq_base_swa: float = 10000.0
+    rope_freq_scale_swa: float = 1.0
+    embd_scale: float = 0.0  # gemma3: sqrt(n_embd); granite: embedding_scale (0: none)
+    residual_scale: float = 0.0  # granite: attention and FFN outputs scaled before the residual add
+    logit_scale: float = 0.0  # granite: logits divided by it
+    ffn_gelu: bool = False  # gemma3: GELU-gated FFN instead of SiLU
 
     @property
     def n_gqa(self) -> int:
         return self.n_head // self.n_head_kv
 
+    def is_swa(self, il: int) -> bool:
+        return bool(self.swa_layers) and bool(self.swa_layers[il])
+
+
+ModelHParams = LlamaHParams
+
 
 @dataclass
 class LlamaLayer:
-    attn_norm: np.ndarray
+    attn_norm: np.ndarray | None  # None: olmo2 (post norms only)
     wq: np.ndarray
     wk: np.ndarray
     wv: np.ndarray
     wo: np.ndarray
-    ffn_norm: np.ndarray
+    ffn_norm: np.ndarray | None
     ffn_gate: np.ndarray
     ffn_up: np.ndarray
     ffn_down: np.ndarray
+    bq: np.ndarray | None = None  # qwen2 biases
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # [D] per head (qwen3, gemma3) or [n_head * D] (olmo2)
+    k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None  # gemma3, olmo2
+    ffn_post_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -85,15 +119,16 @@ def _dequant(t) -> np.ndarray:
 
 
 def load_llama(path: str | os.PathLike) -> LlamaModel:
+    """Load a model of any architecture in ARCHS (load_model is the same function)."""
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
-    if arch != "llama":
-        raise SparqError(f"unsupported architecture {arch!r} (only 'llama'): {path}")
+    if arch not in ARCHS:
+        raise SparqError(f"unsupported architecture {arch!r} (the reference has {', '.join(ARCHS)}): {path}")
 
     def kv(key, default=None, required=False):
-        v = _field_value(reader, f"llama.{key}", default)
+        v = _field_value(reader, f"{arch}.{key}", default)
         if v is None and required:
-            raise SparqError(f"GGUF key llama.{key} missing: {path}")
+            raise SparqError(f"GGUF key {arch}.{key} missing: {path}")
         return v
 
     tensors = {t.name: t for t in reader.tensors}
@@ -116,7 +151,7 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
     if int(kv("attention.value_length", head_dim)) != head_dim:
         raise SparqError("attention.value_length differs from key_length (unsupported)")
     n_rot = int(kv("rope.dimension_count", head_dim))
-    if n_rot != head_dim:  # llama.cpp refuses this for LLM_ARCH_LLAMA too
+    if n_rot != head_dim:  # llama.cpp asserts this in these graphs (phi3's partial rotary is not written here)
         raise SparqError(f"invalid n_rot {n_rot}, expected {head_dim}")
     scaling = kv("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
@@ -124,19 +159,46 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
     factor = float(kv("rope.scaling.factor", 0.0) or 0.0)
     freq_scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
     if kv("expert_count", 0):
-        raise SparqError("MoE llama models are not supported by the reference")
-    attn_scale = float(kv("attention.scale", 0.0) or 0.0)
+        raise SparqError("MoE models are not supported by the reference")
+    if float(kv("final_logit_softcapping", 0.0) or 0.0) or float(kv("attn_logit_softcapping", 0.0) or 0.0):
+        raise SparqError("logit soft-capping is not supported by the reference")
+    attn_scale = float(kv("attention.scale", 0.0) or 0.0) if arch in ("llama", "granite") else 0.0
+    inv_sqrt_d = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))
+    kq_scale, q_scale = (attn_scale if attn_scale != 0.0 else inv_sqrt_d), 0.0
+    if arch in ("phi3", "gemma3"):  # the graph scales q by 1/sqrt(D) itself and attends with scale 1
+        kq_scale, q_scale = 1.0, inv_sqrt_d
+        if arch == "gemma3" and n_layer == 62:  # llama.cpp's 27B rule: 1/sqrt(n_embd / n_head)
+            q_scale = float(np.float32(1.0) / np.sqrt(np.float32(n_embd // n_head)))
+
+    swa_layers, n_swa = (), 0
+    if arch == "gemma3" and int(kv("attention.sliding_window", 0) or 0) > 0:
+        n_swa = int(kv("attention.sliding_window"))
+        pattern = kv("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, (list, tuple)):  # per-layer flags
+            swa_layers = tuple(bool(x) for x in pattern[:n_layer])
+        else:  # llama_hparams::set_swa_pattern
+            pattern = int(pattern)
+            swa_layers = tuple(pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer))
+    elif int(kv("attention.sliding_window", 0) or 0) > 0 and arch == "olmo2":
+        raise SparqError("olmo2 with sliding-window layers is not supported by the reference")
 
     tok_embd = get("token_embd.weight")
     n_vocab = int(kv("vocab_size", 0) or tok_embd.shape[0])
+    n_ff = int(kv("feed_forward_length", required=True))
     hp = LlamaHParams(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-        n_ff=int(kv("feed_forward_length", required=True)), n_vocab=n_vocab,
+        n_ff=n_ff, n_vocab=n_vocab,
         n_ctx_train=int(kv("context_length", 0) or 0),
         rms_eps=float(kv("attention.layer_norm_rms_epsilon", required=True)),
         rope_freq_base=float(kv("rope.freq_base", 10000.0)), rope_freq_scale=freq_scale,
-        n_rot=n_rot, head_dim=head_dim,
-        kq_scale=attn_scale if attn_scale != 0.0 else float(np.float32(1.0) / np.sqrt(np.float32(head_dim))),
+        n_rot=n_rot, head_dim=head_dim, kq_scale=kq_scale, arch=arch, rope_neox=arch in _NEOX,
+        q_scale=q_scale, swa_layers=swa_layers, n_swa=n_swa,
+        rope_freq_base_swa=float(kv("rope.freq_base_swa", 10000.0)), rope_freq_scale_swa=1.0,
+        embd_scale=(float(np.sqrt(np.float32(n_embd), dtype=np.float32)) if arch == "gemma3"
+                    else float(kv("embedding_scale", 0.0) or 0.0) if arch == "granite" else 0.0),
+        residual_scale=float(kv("residual_scale", 0.0) or 0.0) if arch == "granite" else 0.0,
+        logit_scale=float(kv("logit_scale", required=True)) if arch == "granite" else 0.0,
+        ffn_gelu=arch == "gemma3",
     )
 
     wtypes = {name: t.tensor_type for name, t in tensors.items()}
@@ -144,26 +206,61 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
     if output is None:  # tied embeddings
         output = tok_embd
         wtypes["output.weight"] = wtypes["token_embd.weight"]
+    if "output.bias" in tensors:
+        raise SparqError("tensor output.bias: an LM-head bias is not supported by the reference")
 
+    n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
     layers = []
     for i in range(n_layer):
         p = f"blk.{i}."
-        for bias in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_up.bias"):
+        for bias in ("attn_output.bias", "ffn_up.bias", "ffn_gate.bias", "ffn_down.bias", "attn_qkv.bias"):
             if p + bias in tensors:
                 raise SparqError(f"tensor {p + bias}: bias terms are not supported by the reference")
+        if arch != "qwen2":
+            for bias in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
+                if p + bias in tensors:
+                    raise SparqError(f"tensor {p + bias}: bias terms are not supported by the reference")
         if p + "attn_qkv.weight" in tensors:
-            raise SparqError(f"tensor {p}attn_qkv.weight: fused QKV is not supported by the reference")
+            if arch != "phi3":
+                raise SparqError(f"tensor {p}attn_qkv.weight: fused QKV is supported for phi3 only")
+            qkv = get(p + "attn_qkv.weight")
+            if qkv.shape != (n_q + 2 * n_kv, n_embd):
+                raise SparqError(f"{p}attn_qkv.weight: shape {qkv.shape}, expected {(n_q + 2 * n_kv, n_embd)}")
+            wq, wk, wv = qkv[:n_q], qkv[n_q:n_q + n_kv], qkv[n_q + n_kv:]
+            for t in ("attn_q", "attn_k", "attn_v"):  # the rounding of the activation follows the fused type
+                wtypes[p + t + ".weight"] = wtypes[p + "attn_qkv.weight"]
+        else:
+            wq, wk, wv = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
+        if arch == "phi3":  # ffn_up holds gate (first n_ff rows) and up: ggml_swiglu silus the first half
+            up = get(p + "ffn_up.weight")
+            if up.shape != (2 * n_ff, n_embd):
+                raise SparqError(f"{p}ffn_up.weight: shape {up.shape}, expected {(2 * n_ff, n_embd)}")
+            ffn_gate, ffn_up = up[:n_ff], up[n_ff:]
+            wtypes[p + "ffn_gate.weight"] = wtypes[p + "ffn_up.weight"]
+        else:
+            ffn_gate, ffn_up = get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")
+        norms = arch in ("qwen3", "gemma3", "olmo2")
         layers.append(LlamaLayer(
-            attn_norm=get(p + "attn_norm.weight"), wq=get(p + "attn_q.weight"),
-            wk=get(p + "attn_k.weight"), wv=get(p + "attn_v.weight"), wo=get(p + "attn_output.weight"),
-            ffn_norm=get(p + "ffn_norm.weight"), ffn_gate=get(p + "ffn_gate.weight"),
-            ffn_up=get(p + "ffn_up.weight"), ffn_down=get(p + "ffn_down.weight"),
+            attn_norm=get(p + "attn_norm.weight", required=arch != "olmo2"), wq=wq, wk=wk, wv=wv,
+            wo=get(p + "attn_output.weight"),
+            ffn_norm=get(p + "ffn_norm.weight", required=arch != "olmo2"), ffn_gate=ffn_gate, ffn_up=ffn_up,
+            ffn_down=get(p + "ffn_down.weight"),
+            bq=get(p + "attn_q.bias", required=False), bk=get(p + "attn_k.bias", required=False),
+            bv=get(p + "attn_v.bias", required=False),
+            q_norm=get(p + "attn_q_norm.weight", required=norms),
+            k_norm=get(p + "attn_k_norm.weight", required=norms),
+            attn_post_norm=get(p + "post_attention_norm.weight", required=arch in ("gemma3", "olmo2")),
+            ffn_post_norm=get(p + "post_ffw_norm.weight", required=arch in ("gemma3", "olmo2")),
         ))
-        shapes = {"wq": (n_head * head_dim, n_embd), "wk": (n_head_kv * head_dim, n_embd),
-                  "wv": (n_head_kv * head_dim, n_embd), "wo": (n_embd, n_head * head_dim)}
+        L = layers[-1]
+        shapes = {"wq": (n_q, n_embd), "wk": (n_kv, n_embd), "wv": (n_kv, n_embd), "wo": (n_embd, n_q)}
+        if arch == "olmo2":
+            shapes.update(q_norm=(n_q,), k_norm=(n_kv,))
+        elif norms:
+            shapes.update(q_norm=(head_dim,), k_norm=(head_dim,))
         for attr, shape in shapes.items():
-            if getattr(layers[-1], attr).shape != shape:
-                raise SparqError(f"{p}{attr}: shape {getattr(layers[-1], attr).shape}, expected {shape}")
+            if getattr(L, attr).shape != shape:
+                raise SparqError(f"{p}{attr}: shape {getattr(L, attr).shape}, expected {shape}")
 
     metadata = {name: f.contents() for name, f in reader.fields.items()
                 if not name.startswith("GGUF.") and not name.startswith("tokenizer.ggml.")}
@@ -172,3 +269,6 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
         output=output, layers=layers, rope_freqs=get("rope_freqs.weight", required=False),
         wtypes=wtypes, metadata=metadata,
     )
+
+
+load_model = load_llama
