@@ -25,10 +25,17 @@ CACHES = ["f32", "f16", "q8_0"]
 TOL = {"f32": 1e-5, "f16": 1e-4, "q8_0": 1e-4}
 
 
+def tol(preset, cache_type):
+    # tiny-gemma3's scaled embeddings and post-norms amplify that reordering: 4e-5 at f32 (0 without
+    # the mean value term, which reads the sums)
+    return 1e-4 if preset == "tiny-gemma3" else TOL[cache_type]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("upkeep-models")
-    return {p: write_model(root / f"{p}.gguf", p, wtype="f32", seed=7) for p in ("tiny", "tiny-gqa")}
+    # tiny-gemma3 interleaves sliding-window layers: the copy and the sums exist for its full layers only
+    return {p: write_model(root / f"{p}.gguf", p, wtype="f32", seed=7) for p in ("tiny", "tiny-gqa", "tiny-gemma3")}
 
 
 def tokens(n, seed=0):
@@ -56,17 +63,37 @@ def reference(path, prompt, cache_type, steps=STEPS, **kw):
         return s.steps(steps, pos0=len(prompt))
 
 
+def _state_load_steps(path, prompt, att, cache_type):
+    """(steps of a context that was never saved, steps of one loaded from its state)"""
+    with Session(path, att, cache_type=cache_type) as s:
+        s.prompt(prompt)
+        want = s.steps(STEPS, pos0=len(prompt))
+    with Session(path, att, cache_type=cache_type) as a:
+        a.prompt(prompt)
+        blob = a.state()
+    with Session(path, att, cache_type=cache_type) as b:
+        b.set_state(blob)
+        return want, b.steps(STEPS, pos0=len(prompt))
+
+
 @pytest.mark.parametrize("cache_type", CACHES)
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
 def test_whole_state_load_continues(models, preset, cache_type):
-    path, prompt = models[preset], tokens(150, seed=1)
-    want = reference(path, prompt, cache_type)
-    with Session(path, ATT, cache_type=cache_type) as a:
-        a.prompt(prompt)
-        blob = a.state()
-    with Session(path, ATT, cache_type=cache_type) as b:
-        b.set_state(blob)
-        assert_close(b.steps(STEPS, pos0=len(prompt)), want, TOL[cache_type])
+    want, got = _state_load_steps(models[preset], tokens(150, seed=1), ATT, cache_type)
+    assert_close(got, want, TOL[cache_type])
+
+
+@pytest.mark.parametrize("cache_type", CACHES)
+def test_whole_state_load_continues_sliding_window_model(models, cache_type):
+    """Upstream's sliding-window cache does not restore bit-exactly: dense attention itself moves by
+    ~1e-3 after a state load of tiny-gemma3 (exactly 0 when the same file has no window layers). The
+    sparse layers must add no more than that; a stale copy or sum moves the logits by 1e-2 to 1."""
+    path, prompt = models["tiny-gemma3"], tokens(150, seed=1)
+    want_d, got_d = _state_load_steps(path, prompt, Dense(), cache_type)
+    noise = max(rel(g, w) for g, w in zip(got_d, want_d))
+    assert noise < 5e-3
+    want, got = _state_load_steps(path, prompt, ATT, cache_type)
+    assert_close(got, want, TOL[cache_type] + 2 * noise)
 
 
 @pytest.mark.parametrize("cache_type", CACHES)
@@ -98,26 +125,28 @@ def test_state_file_round_trip(models, tmp_path, cache_type):
 
 
 @pytest.mark.parametrize("cache_type", CACHES)
-def test_seq_rm_tail_continues(models, cache_type):
-    path, prompt = models["tiny-gqa"], tokens(140, seed=5)
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-gemma3"])
+def test_seq_rm_tail_continues(models, cache_type, preset):
+    path, prompt = models[preset], tokens(140, seed=5)
     want = reference(path, prompt[:90], cache_type)
     with Session(path, ATT, cache_type=cache_type) as a:
         a.prompt(prompt)
         a.seq_rm(0, 90, -1)
-        assert_close(a.steps(STEPS, pos0=90), want, TOL[cache_type])
+        assert_close(a.steps(STEPS, pos0=90), want, tol(preset, cache_type))
 
 
 @pytest.mark.parametrize("cache_type", CACHES)
 @pytest.mark.parametrize("unified", [True, False])
-def test_seq_cp_then_rm_source(models, cache_type, unified):
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-gemma3"])
+def test_seq_cp_then_rm_source(models, cache_type, unified, preset):
     """Sequence 1 takes sequence 0's cells (in another stream when not unified), 0 is removed."""
-    path, prompt = models["tiny-gqa"], tokens(110, seed=6)
+    path, prompt = models[preset], tokens(110, seed=6)
     want = reference(path, prompt, cache_type)
     with Session(path, ATT, cache_type=cache_type, n_seq=2, unified=unified) as a:
         a.prompt(prompt, seq=0)
         a.seq_cp(0, 1)
         a.seq_rm(0)
-        assert_close(a.steps(STEPS, seq=1, pos0=len(prompt)), want, TOL[cache_type])
+        assert_close(a.steps(STEPS, seq=1, pos0=len(prompt)), want, tol(preset, cache_type))
 
 
 @pytest.mark.parametrize("cache_type", CACHES)
@@ -143,12 +172,14 @@ def test_clear_then_new_prompt(models):
 
 
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
-def test_shift_with_every_position_selected_equals_dense(models, cache_type):
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-gemma3"])
+def test_shift_with_every_position_selected_equals_dense(models, cache_type, preset):
     """A context shift (positions removed, the rest moved down: a K-shift of the cache), then decoding:
     SparQ selecting every position must give dense attention's logits."""
-    path, prompt = models["tiny-gqa"], tokens(120, seed=13)
+    path, prompt = models[preset], tokens(120, seed=13)
     got = {}
-    for name, att in (("dense", Dense()), ("sparq", SparQ(r=128, k=4096, l=0, mean_value=True))):
+    r_all = 256 if preset == "tiny-gemma3" else 128  # every component of the head
+    for name, att in (("dense", Dense()), ("sparq", SparQ(r=r_all, k=4096, l=0, mean_value=True))):
         with Session(path, att, cache_type=cache_type) as a:
             a.prompt(prompt)
             a.seq_rm(0, 10, 50)
