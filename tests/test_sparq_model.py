@@ -186,3 +186,21 @@ def test_stock_tool_runs_sparq_from_env(models, tmp_path):
     assert "sparse_attn           = sparq (r = 16, k = 32, l = 8" in proc.stderr
     assert_refused([exe, "-m", models["tiny"], "-p", "x", "-n", "2", "-fa", "on", "-no-cnv"],
                    dict(env, LLAMA_SPARSE_ATTN="sparq:k=x"), "invalid value 'x' for key 'k'")
+
+
+def test_stock_tool_runs_sparq_on_a_sliding_window_model(tmp_path):
+    """tiny-gemma3 interleaves window and full layers: the stock tool runs SparQ on the full layers."""
+    import os
+    import subprocess
+
+    from sparq_cpp.pyext.build import tool_path
+
+    path = write_model(tmp_path / "tiny-gemma3.gguf", "tiny-gemma3", wtype="f16", seed=0)
+    env = dict(os.environ, LLAMA_SPARSE_ATTN="sparq:r=16,k=32,l=8")
+    proc = subprocess.run([str(tool_path("llama-completion")), "-m", str(path), "-p", "hello world", "-n", "8",
+                           "-fa", "on", "-no-cnv", "-c", "256", "-t", "1", "--temp", "0", "-v"],
+                          capture_output=True, text=True, errors="replace", env=env, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sparse_attn           = sparq (r = 16, k = 32, l = 8" in proc.stderr
+    assert "creating     SWA KV cache" in proc.stderr
