@@ -5,6 +5,9 @@ is computed; answering "yes" makes the scheduler stop the graph right after that
 output is intact (no fusion with the next op, e.g. RoPE into the KV-cache store) and readable in
 the second call. The Llama graph names the key projection "Kcur-<il>" (a MUL_MAT, or an ADD with
 a bias) and names the RoPE output "Kcur-<il>" again; the ROPE op tells the second from the first.
+Where the graph normalizes k before RoPE (qwen3, gemma3, olmo2) the RoPE input is "Kcur_normed-<il>";
+where it fuses QKV into one matmul (phi3) the keys before RoPE are a slice of "wqkv-<il>". The last
+of these seen before the RoPE is the "pre" key.
 """
 from __future__ import annotations
 
@@ -93,6 +96,8 @@ class KeyCapture:
         self._ggml = _GGML()
         s = self.summary
         self._n_layer, self._shape = s.n_layer, (s.n_head_kv, s.head_dim)
+        n_q = s.n_head * s.head_dim
+        self._k_cols = slice(n_q, n_q + s.n_head_kv * s.head_dim)  # K's columns of a fused QKV row
         self._pending: dict[int, np.ndarray] = {}  # layer -> pre-RoPE keys of the current ubatch
         self._pos = np.zeros(s.n_layer, np.int64)  # next position per layer
         self._error: BaseException | None = None
@@ -156,24 +161,31 @@ class KeyCapture:
             raise SparqError(f"no keys captured for layers {missing[:8]} (the graph has no RoPE'd 'Kcur-<il>' "
                              "there); this architecture is not supported for calibration")
 
-    def _layer(self, name: bytes) -> int | None:
-        if not name.startswith(b"Kcur-"):
-            return None
-        tail = name[5:]
-        return int(tail) if tail.isdigit() else None
+    _PREFIXES = (b"Kcur-", b"Kcur_normed-", b"wqkv-")
+
+    def _layer(self, name: bytes) -> tuple[int, bytes] | None:
+        for prefix in self._PREFIXES:
+            if name.startswith(prefix):
+                tail = name[len(prefix):]
+                return (int(tail), prefix) if tail.isdigit() else None
+        return None
 
     def _eval(self, t, ask, _user_data) -> bool:
         # Exceptions cannot cross the C boundary: keep the first, stop the graph, re-raise in run().
         try:
             tp = ctypes.cast(t, ctypes.POINTER(self._ggml.tensor_t))
-            il = self._layer(tp.contents.name)
-            if il is None:
+            hit = self._layer(tp.contents.name)
+            if hit is None:
                 return False if ask else True
             if ask:
                 return True
+            il, prefix = hit
             keys = self._ggml.read(tp)
-            if tp.contents.op != self._ggml.op_rope:
-                self._pending[il] = keys  # the last un-RoPE'd "Kcur-il" before the RoPE wins
+            if prefix == b"wqkv-":  # [.., n_tokens, n_q + 2 n_kv]: the K columns
+                self._pending[il] = np.ascontiguousarray(keys[..., self._k_cols])
+                return True
+            if tp.contents.op != self._ggml.op_rope or prefix != b"Kcur-":
+                self._pending[il] = keys  # the last key tensor before the RoPE wins
                 return True
             pre = self._pending.pop(il, None)
             if pre is None:

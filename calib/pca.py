@@ -36,10 +36,16 @@ class KeyMoments:
             self.sumsq[v, il, h] += xh.T @ xh
         self.count[v, il] += x.shape[0]
 
-    def fit(self) -> "LokiPCA":
-        if (self.count < 2).any():
+    def fit(self, layers=None) -> "LokiPCA":
+        """The PCA of every layer, or only of `layers` (indices): the others (sliding-window layers,
+        which attend densely) get the identity basis and zero variance."""
+        L, H, D = self.shape
+        fitted = np.zeros(L, bool)
+        fitted[list(range(L)) if layers is None else list(layers)] = True
+        count = np.where(fitted, self.count, 2)  # layers left out divide by a dummy count
+        if (count < 2).any():
             raise SparqError("PCA needs at least 2 keys per layer and head; calibrate on more tokens")
-        n = self.count[:, :, None, None]
+        n = count[:, :, None, None]
         mean = self.sum / n
         cov = (self.sumsq - n[..., None] * mean[..., :, None] * mean[..., None, :]) / (n[..., None] - 1)
         cov = 0.5 * (cov + np.swapaxes(cov, -1, -2))  # exact symmetry for eigh
@@ -51,9 +57,13 @@ class KeyMoments:
         big = np.argmax(np.abs(vecs), axis=-2)[..., None, :]
         sign = np.where(np.take_along_axis(vecs, big, axis=-2) < 0, -1.0, 1.0)
         vecs = vecs * sign
+        vecs[:, ~fitted] = np.eye(D)
+        w[:, ~fitted] = 0.0
+        first = int(np.argmax(fitted))
         return LokiPCA(components={v: vecs[i] for i, v in enumerate(VARIANTS)},
                        explained_variance={v: w[i] for i, v in enumerate(VARIANTS)},
-                       n_tokens=int(self.count[0, 0]))
+                       n_tokens=int(self.count[0, first]),
+                       layers=None if layers is None else tuple(int(il) for il in np.flatnonzero(fitted)))
 
 
 @dataclass
@@ -64,6 +74,7 @@ class LokiPCA:
     components: dict
     explained_variance: dict
     n_tokens: int
+    layers: tuple | None = None  # the calibrated layers when not all (the others hold the identity)
 
     def explained_variance_ratio(self, variant: str) -> np.ndarray:
         return explained_variance_ratio(self.explained_variance[variant])

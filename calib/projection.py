@@ -22,6 +22,9 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import _field  # a metadata string that is not UTF-8 is a SparqError
 
 LOKI_VERSION = 1
+# llama.cpp creates the optional blk.N.loki_proj_* tensors in these architectures' tensor lists only;
+# in any other model they are extra tensors, and llama.cpp refuses the file
+EMBED_ARCHS = ("llama",)
 _SAMPLE_BYTES = 4096  # of each tensor's data, hashed into the fingerprint
 _COPY_CHUNK = 1 << 24
 
@@ -108,6 +111,10 @@ def _add_loki_metadata(w, pca: LokiPCA, model: ModelIdentity, ctx_size: int) -> 
     w.add_uint32("loki.n_layer", L)
     w.add_uint32("loki.n_head_kv", H)
     w.add_uint32("loki.head_dim", D)
+    if pca.layers is not None:
+        # models with sliding-window layers (gemma3): only these layers were calibrated; the others
+        # hold the identity basis with zero variance, so a loader that rotates every layer is exact
+        w.add_array("loki.calibrated_layers", list(pca.layers))
     w.add_string("loki.model.name", model.name)
     w.add_uint64("loki.model.size", model.size)
     w.add_string("loki.model.fingerprint", model.fingerprint)
@@ -146,6 +153,12 @@ def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int) -> Path:
     return atomic_write(path, write)
 
 
+def check_embeddable(arch: str) -> None:
+    if arch not in EMBED_ARCHS:
+        raise SparqError(f"--embed: llama.cpp loads an embedded Loki projection in {', '.join(EMBED_ARCHS)} models "
+                         f"only, not {arch}; write the projection file (without --embed) and pass it with --loki-pca")
+
+
 def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int) -> Path:
     """A copy of the model GGUF with the Loki tensors and loki.* keys added (gguf_new_metadata's
     approach); tensor data is streamed in 16 MiB pieces, so memory stays bounded."""
@@ -157,6 +170,7 @@ def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int) -> Pa
         raise SparqError(f"the embedded copy cannot overwrite the model itself ({model_path}); choose another --out")
     reader = _reader(model_path)
     model = ModelIdentity.of(model_path, reader)
+    check_embeddable(model.arch)
     if reader.endianess != gguf.GGUFEndian.LITTLE:
         raise SparqError(f"{model_path} is a big-endian GGUF; --embed supports little-endian files only")
     if any(_is_loki_tensor(t.name) for t in reader.tensors):

@@ -96,6 +96,17 @@ def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2
         if bar is not None and il == moments.shape[0] - 1:
             bar.update(len(pos))
 
+    from sparq_cpp.gguf_check import swa_layers
+
+    window = swa_layers(model_path)  # sliding-window layers attend densely: nothing to calibrate there
+    full = None if window is None else [il for il, w in enumerate(window) if not w]
+
+    def on_keys(il, pre, post, pos, _add=on_keys):
+        if window is None or not window[il]:
+            _add(il, pre, post, pos)
+        elif bar is not None and il == moments.shape[0] - 1:
+            bar.update(len(pos))
+
     with KeyCapture(model_path, on_keys, ctx_size=ctx_size, n_threads=n_threads) as cap:
         s = cap.summary
         moments = KeyMoments(s.n_layer, s.n_head_kv, s.head_dim)
@@ -111,4 +122,4 @@ def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2
         finally:
             if bar is not None:
                 bar.close()
-    return moments.fit()
+    return moments.fit(full)

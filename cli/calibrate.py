@@ -67,11 +67,16 @@ def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
     from sparq_cpp.calib import calibrate, embed_projection, write_projection
     from sparq_cpp.outfile import check_writable
     from sparq_cpp.calib.run import check_sizes
-    from sparq_cpp.gguf_check import check_gguf
+    from sparq_cpp.gguf_check import check_gguf, check_sparse
 
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
     summary = check_gguf(gguf_path)
+    check_sparse(summary, "Loki")  # a projection is only of use to Loki
+    if embed:
+        from sparq_cpp.calib.projection import check_embeddable
+
+        check_embeddable(summary.arch)
     model = Path(gguf_path)
     out = check_writable(_out_path(model, out, embed), "--out")
     if figure is not None:

@@ -35,11 +35,13 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
     """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
     context creation would fail on (model, settings, projection)."""
     from sparq_cpp.attention import Dense, Loki
-    from sparq_cpp.gguf_check import check_gguf
-    from sparq_cpp.llm import check_loki_projection, default_threads
+    from sparq_cpp.gguf_check import check_gguf, check_sparse
+    from sparq_cpp.llm import check_loki_projection, default_threads, display_name
     from sparq_cpp.pyext.build import tool_path
 
     summary = check_gguf(path)
+    if not isinstance(attention, Dense):
+        check_sparse(summary, display_name(attention))
     attention.check(summary.head_dim)
     if isinstance(attention, Loki):
         check_loki_projection(attention, path)

@@ -92,7 +92,7 @@ def _plan(methods, ratios):
 
 
 def run(cfg: EvalConfig, log=print) -> dict:
-    from sparq_cpp.gguf_check import check_gguf
+    from sparq_cpp.gguf_check import check_gguf, check_sparse
     from sparq_cpp.pyext import sparse_api
 
     summary = check_gguf(cfg.model_path)
@@ -116,6 +116,9 @@ def run(cfg: EvalConfig, log=print) -> dict:
         if spec.method == "loki" and spec.backend == "ref" and cfg.loki_projection is None:
             raise SparqError("loki on the reference needs --loki-projection FILE (from `sparq-cpp calibrate`)")
         methods.append(spec)
+    for spec in methods:
+        if spec.method != "dense":  # every other method selects positions of an ordinary KV cache
+            check_sparse(summary, spec.label)
     runs = _plan(methods, cfg.ratios)
 
     tok = tasks.Tokenizer(cfg.model_path)

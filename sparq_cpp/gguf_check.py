@@ -9,7 +9,21 @@ from pathlib import Path
 from sparq_cpp.errors import SparqError
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama",)
+# Architectures with ordinary attention that the reference follows and the tests run sparse: the
+# model factory writes each, llama.cpp's logits are checked against the reference, dense and sparse.
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
+
+# What SparQ and Loki cannot run on, by llama.cpp architecture name (src/llama-arch.cpp and the
+# models' load_arch_hparams); metadata and tensors catch the rest (sparse_refusal). Any other model
+# llama.cpp loads may run dense, and sparse where llama.cpp's own check accepts it.
+RECURRENT_ARCHS = ("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")  # llm_arch_is_recurrent
+HYBRID_ARCHS = ("jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+                "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35",
+                "qwen35moe", "qwen4exp", "deepseek4", "minimax-01")  # llm_arch_is_hybrid
+ALIBI_ARCHS = ("bloom", "refact", "jina-bert-v2")  # set f_max_alibi_bias without a key
+SOFTCAP_ARCHS = ("gemma2", "grok")  # attention logit soft-capping on by default (50, 30)
+SINK_ARCHS = ("gpt-oss",)  # attention sinks (blk.N.attn_sinks); any model with such tensors too
+MLA_ARCHS = ("deepseek2",)  # multi-head latent attention; any model with key_length_mla too
 
 
 @dataclass(frozen=True)
@@ -25,6 +39,7 @@ class GGUFSummary:
     file_type: int | None
     name: str
     key_length: int | None = None  # {arch}.attention.key_length, where the model sets its head size
+    sparse_refusal: str | None = None  # why SparQ and Loki cannot run on this model, or None
 
     @property
     def head_dim(self) -> int:
@@ -191,18 +206,74 @@ def _read_header(path: Path) -> _Header:
     return header
 
 
-def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
-    """Check that `path` is a complete GGUF of a supported architecture, reading only its metadata."""
+def sparse_refusal(reader: "_Header", arch: str) -> str | None:
+    """Why sparse attention cannot work on this model (a phrase naming the cause), or None."""
+    def num(key):
+        v = reader.get(f"{arch}.{key}", 0)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+    if arch in RECURRENT_ARCHS:
+        return f"{arch} is a recurrent architecture (no KV cache to select from)"
+    if arch in HYBRID_ARCHS:
+        return f"{arch} has hybrid recurrent/attention memory"
+    if arch in SOFTCAP_ARCHS or num("attn_logit_softcapping") > 0:
+        return f"{arch} soft-caps its attention logits ({arch}.attn_logit_softcapping)"
+    if arch in ALIBI_ARCHS or num("attention.max_alibi_bias") > 0 or (arch == "baichuan" and num("block_count") == 40):
+        return f"{arch} uses ALiBi position biases"
+    if arch in SINK_ARCHS or any(name.endswith(".attn_sinks") or name.endswith(".attn_sinks.weight")
+                                 for name, *_ in reader.tensors):
+        return f"{arch} uses attention sinks"
+    if arch in MLA_ARCHS or num("attention.key_length_mla") > 0 or num("attention.kv_lora_rank") > 0:
+        return f"{arch} uses multi-head latent attention (MLA)"
+    return None
+
+
+# llama.cpp's default sliding-window pattern where the GGUF gives none (load_swa_pattern's n_pattern)
+_SWA_PATTERN_DEFAULT = {"gemma3": 6, "olmo2": 4}
+
+
+def swa_layers(path) -> tuple | None:
+    """Per layer, True for a sliding-window layer, for models with interleaved sliding-window attention
+    (gemma3, olmo2 with a window); None for every other model."""
+    reader = _read_header(Path(path))
+    arch = reader.get("general.architecture")
+    if arch not in _SWA_PATTERN_DEFAULT or not (reader.get(f"{arch}.attention.sliding_window") or 0) > 0:
+        return None
+    n_layer = reader.get(f"{arch}.block_count")
+    pattern = reader.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN_DEFAULT[arch])
+    if not isinstance(pattern, int) or isinstance(pattern, bool):
+        raise SparqError(f"{path}: {arch}.attention.sliding_window_pattern as per-layer flags is not supported here")
+    return tuple(pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer))
+
+
+def check_sparse(summary: GGUFSummary, what: str = "sparse attention") -> None:
+    """One clear error when `what` (SparQ, Loki, ...) cannot run on the model summary describes."""
+    if summary.sparse_refusal:
+        raise SparqError(f"{summary.path}: {what} cannot run on this model: {summary.sparse_refusal}; "
+                         "use dense attention")
+
+
+def check_gguf(path, archs=None) -> GGUFSummary:
+    """Check that `path` is a complete model GGUF (of one of `archs`, when given), reading only its
+    metadata. The summary's sparse_refusal says whether SparQ and Loki can run on it."""
     path = Path(path)
     reader = _read_header(path)
     arch = reader.get("general.architecture")
     if arch is None:
         raise SparqError(f"{path} has no general.architecture key; not a model GGUF")
-    if arch not in archs:
+    if not isinstance(arch, str):
+        raise SparqError(f"{path}: general.architecture must be a string, got {str(arch)[:60]}")
+    if archs is not None and arch not in archs:
         raise SparqError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(archs)})")
+    refusal = sparse_refusal(reader, arch)
+    # recurrent and hybrid models may give per-layer arrays or no attention heads at all; llama.cpp
+    # checks those itself, and they only ever run dense here
+    lenient = arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS
 
     def hp(name, default=None):
         v = reader.get(f"{arch}.{name}", default)
+        if lenient and not (isinstance(v, int) and not isinstance(v, bool)):
+            return 0
         if v is None:
             raise SparqError(f"{path}: missing key {arch}.{name}")
         if not isinstance(v, int) or isinstance(v, bool):  # e.g. a per-layer array
@@ -217,17 +288,19 @@ def check_gguf(path, archs=SUPPORTED_ARCHS) -> GGUFSummary:
         n_ctx_train=hp("context_length"),
         n_vocab=tokens.count if isinstance(tokens, _Header._Array) else hp("vocab_size", 0),
         file_type=reader.get("general.file_type"), name=str(reader.get("general.name", path.stem)),
-        key_length=hp("attention.key_length", 0) or None,
+        key_length=hp("attention.key_length", 0) or None, sparse_refusal=refusal,
     )
-    _check_geometry(summary)
+    _check_geometry(summary, heads=not lenient)
     return summary
 
 
-def _check_geometry(s: GGUFSummary) -> None:
+def _check_geometry(s: GGUFSummary, heads: bool = True) -> None:
     """Values llama.cpp would divide by or assert on (an abort, not an error) are refused here."""
     key = f"{s.path}: {s.arch}."
     if not 1 <= s.n_layer <= MAX_LAYERS:
         raise SparqError(f"{key}block_count must be in 1..{MAX_LAYERS}, got {s.n_layer}")
+    if not heads:
+        return
     if s.n_head < 1:
         raise SparqError(f"{key}attention.head_count must be >= 1, got {s.n_head}")
     if not 1 <= s.n_head_kv <= s.n_head or s.n_head % s.n_head_kv:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sparq_cpp.attention import Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
-from sparq_cpp.gguf_check import GGUFSummary, check_gguf
+from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 
@@ -64,6 +64,10 @@ def _c_params(attention, *, creation: bool = False):
     return p
 
 
+def display_name(attention) -> str:
+    return {"sparq": "SparQ", "loki": "Loki"}.get(attention.name, attention.name)
+
+
 def check_loki_projection(attention: Loki, model_path) -> None:
     """The projection exists, is readable and was made for this very model file (its fingerprint), or
     the model has one embedded; checked here because llama.cpp can only compare shapes and names."""
@@ -106,6 +110,8 @@ def _llama_class():
             kwargs.setdefault("verbose", False)
             kwargs.update(type_k=CACHE_TYPES[cache_type], type_v=CACHE_TYPES[cache_type])
             sparse = not isinstance(attention, Dense)
+            if sparse:
+                check_sparse(summary, display_name(attention))
             if isinstance(attention, Loki):
                 check_loki_projection(attention, model_path)
             if sparse:
