@@ -354,3 +354,17 @@ def test_calibration_captures_the_rope_input(models, preset):
         rotated = (rope_neox if hp.rope_neox else rope_norm)(pre, cos, sin)
         assert np.abs(rotated - post).max() <= 1e-5 * np.abs(post).max(), il
         assert not np.allclose(pre[1:], post[1:], atol=1e-3)  # RoPE moved them
+
+
+@pytest.mark.parametrize("preset, overrides, needle", [
+    ("tiny-phi3", {"key_length": 64}, "needs n_head * key_length == n_embd"),
+    ("tiny", {"n_swa": 16, "swa_pattern": 2}, "gemma3 only"),
+    ("tiny-gemma3", {"swa_pattern": 0}, "must be integers >= 1"),
+    ("tiny", {"logit_scale": 2.0}, "only granite"),
+    ("tiny-granite", {"logit_scale": 0.0}, "granite needs one > 0"),
+    ("tiny", {"arch": "gpt2"}, "arch: unknown"),
+])
+def test_factory_refuses_geometries_llama_cpp_would_not_load(tmp_path, preset, overrides, needle):
+    with pytest.raises(SparqError, match=needle):
+        write_model(tmp_path / "m.gguf", preset, **overrides)
+    assert not (tmp_path / "m.gguf").exists()
