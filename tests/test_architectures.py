@@ -357,7 +357,7 @@ def test_calibration_captures_the_rope_input(models, preset):
 
 
 @pytest.mark.parametrize("preset, overrides, needle", [
-    ("tiny-phi3", {"key_length": 64}, "needs n_head * key_length == n_embd"),
+    ("tiny-phi3", {"key_length": 64}, r"needs n_head \* key_length == n_embd"),
     ("tiny", {"n_swa": 16, "swa_pattern": 2}, "gemma3 only"),
     ("tiny-gemma3", {"swa_pattern": 0}, "must be integers >= 1"),
     ("tiny", {"logit_scale": 2.0}, "only granite"),
