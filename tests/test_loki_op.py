@@ -1,4 +1,4 @@
-"""ggml_loki_attn (the Loki ranking of GGML_OP_SPARQ_ATTN, CPU) against the Numba reference (docs/spec.md Loki).
+"""ggml_loki_attn (the Loki ranking of GGML_OP_SPARSE_ATTN, CPU) against the Numba reference (docs/spec.md Loki).
 
 The op takes q and k already in the Loki basis (llama.cpp rotates them before the cache); the reference
 LokiAttention rotates them itself, so it gets an identity basis on the rotated values, or the real basis

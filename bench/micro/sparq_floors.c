@@ -1,4 +1,4 @@
-// Floors of the CPU SPARQ_ATTN kernel's two memory phases at batch 1, n_kv = 16k, 32 kv heads of D = 128 (the op
+// Floors of the CPU SPARSE_ATTN kernel's two memory phases at batch 1, n_kv = 16k, 32 kv heads of D = 128 (the op
 // bench's setting), 8 layers' worth of buffers so nothing stays in the last-level cache.
 //   stream: the scoring pass, r = 16 of the 128 rows of K^T of every kv head (f16);
 //           mode 0: 64 cells of the 16 rows per step, prefetching 512 bytes ahead (the kernel's order before patch 0014),
