@@ -4,6 +4,8 @@ what sparse attention cannot run on (soft-capping, ALiBi, sinks, MLA, recurrent 
 with one clear line by the API and the CLI."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -108,7 +110,8 @@ def assert_sparse_matches(preset, rows, steps, dense_rows):
     """Sparse llama.cpp against the sparse reference. Exact families agree to f32 rounding on every row.
     gemma3's window layers and GELU table leave ~1e-4 differences in the inputs to its sparse layers (see
     TOL_EXACT), enough to swap a position at the k-th place now and then; most rows still agree closely,
-    and none comes near the distance to dense attention."""
+    and none comes near the distance to dense attention. (On llama.cpp's own inputs the op agrees to f32
+    rounding there too: test_sparse_op_equals_the_reference_on_llama_cpp_inputs.)"""
     if preset != "tiny-gemma3":
         assert rows.max() <= TOL_SPARSE and steps.max() <= TOL_SPARSE, (rows.max(), steps)
         return
@@ -368,3 +371,110 @@ def test_factory_refuses_geometries_llama_cpp_would_not_load(tmp_path, preset, o
     with pytest.raises(SparqError, match=needle):
         write_model(tmp_path / "m.gguf", preset, **overrides)
     assert not (tmp_path / "m.gguf").exists()
+
+
+# ---- the sparse op on llama.cpp's own inputs ------------------------------------------------------------
+
+class OpCapture:
+    """A llama.cpp context with `attention` set at creation (f32 cache, flash attention) whose eval callback
+    copies out, per layer, the last RoPE'd Qcur and Kcur, the last Vcur and the sparse op's output. `run`
+    evaluates one batch and returns {layer: {"q", "k", "v", "out"}} (numpy, rows = tokens)."""
+
+    PREFIXES = (b"Qcur-", b"Kcur-", b"Vcur-", b"sparq_attn-", b"loki_attn-")
+
+    def __init__(self, path, attention):
+        import llama_cpp
+
+        from sparq_cpp.calib.capture import _GGML
+        from sparq_cpp.llm import _c_params
+
+        self.L, self.g = llama_cpp, _GGML()
+        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
+        self.got, self.error = {}, None
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = CTX, 256, 256, 1, 1
+        cp.type_k = cp.type_v = 0
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cp.cb_eval, cp.cb_eval_user_data = self._cb, None
+        sparse_api.set_next_context(_c_params(attention, creation=True))
+        try:
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        finally:
+            sparse_api.set_next_context(None)
+        assert self.ctx
+
+    def _eval(self, t, ask, _):
+        try:
+            tp = ctypes.cast(t, ctypes.POINTER(self.g.tensor_t))
+            name = tp.contents.name
+            prefix = next((p for p in self.PREFIXES if name.startswith(p)), None)
+            if prefix is None or not name[len(prefix):].isdigit():
+                return not ask
+            if ask:
+                return True
+            is_rope = tp.contents.op == self.g.op_rope
+            if prefix in (b"Qcur-", b"Kcur-") and not is_rope:
+                return True  # the projection before RoPE (and any norm)
+            key = "out" if prefix in (b"sparq_attn-", b"loki_attn-") else prefix[0:1].decode().lower()
+            self.got.setdefault(int(name[len(prefix):]), {})[key] = self.g.read(tp)
+            return True
+        except BaseException as e:  # noqa: BLE001 (re-raised in run)
+            self.error = self.error or e
+            return False
+
+    def run(self, toks):
+        self.got = {}
+        arr = (self.L.llama_token * len(toks))(*toks)
+        batch = self.L.llama_batch_get_one(arr, len(toks))
+        assert self.L.llama_decode(self.ctx, batch) == 0 and self.error is None, self.error
+        n = len(toks)
+        return {il: {k: v.reshape(n, -1) for k, v in d.items()} for il, d in self.got.items()}
+
+    def close(self):
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+
+@pytest.mark.parametrize("method", ["sparq", "loki"])
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_sparse_op_equals_the_reference_on_llama_cpp_inputs(models, projections, preset, method):
+    """Layer by layer, the sparse op's output inside llama.cpp's graph equals the reference kernel run on the q,
+    K and V llama.cpp computed (an f32 cache stores Kcur and Vcur as they are). Unlike the logits, this holds
+    to f32 rounding on gemma3 too: what else rounds differently there (GELU table, window layers) is outside
+    the op. On gemma3 only the full-attention layers have the op."""
+    path, model = models(preset)
+    hp = model.hparams
+    H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
+    if method == "sparq":
+        att, ref = SparQ(r=8, k=24, l=6, sparse_prompt=True), SparQAttention(8, 24, 6, True)
+    else:
+        proj, _ = projections(preset)
+        att = Loki(d=16, k=24, l=4, projection=proj, sparse_prompt=True)
+        ref = LokiAttention(read_projection(proj, model_path=path), 16, 24, 4)
+    cap = OpCapture(path, att)
+    K = {il: np.empty((0, Hkv, D), np.float32) for il in range(hp.n_layer)}
+    V = {il: np.empty((0, Hkv, D), np.float32) for il in range(hp.n_layer)}
+    try:
+        n_done = 0
+        for batch in (tokens(N_PROMPT), [5], [6], [7]):
+            got = cap.run(batch)
+            n = len(batch)
+            pos = np.arange(n_done, n_done + n, dtype=np.int32)
+            assert sorted(il for il in got if "out" in got[il]) == [il for il in range(hp.n_layer) if not hp.is_swa(il)]
+            for il in range(hp.n_layer):
+                K[il] = np.concatenate([K[il], got[il]["k"].reshape(n, Hkv, D)])
+                V[il] = np.concatenate([V[il], got[il]["v"].reshape(n, Hkv, D)])
+                if hp.is_swa(il):
+                    continue
+                q = got[il]["q"].reshape(n, H, D)
+                if hp.q_scale:
+                    q = q * np.float32(hp.q_scale)  # the graph's ggml_scale after RoPE
+                kv_pos = np.arange(n_done + n, dtype=np.int32)
+                want = ref(q, K[il], V[il], kv_pos[None, :] <= pos[:, None], kv_pos, hp.kq_scale, il)
+                out = got[il]["out"].reshape(n, H, D)
+                assert rel(out, want) <= TOL_SPARSE, (il, n_done, rel(out, want))
+            n_done += n
+    finally:
+        cap.close()
