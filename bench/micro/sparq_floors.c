@@ -1,10 +1,10 @@
 // Floors of the CPU SPARSE_ATTN kernel's two memory phases at batch 1, n_kv = 16k, 32 kv heads of D = 128 (the op
 // bench's setting), 8 layers' worth of buffers so nothing stays in the last-level cache.
 //   stream: the scoring pass, r = 16 of the 128 rows of K^T of every kv head (f16);
-//           mode 0: 64 cells of the 16 rows per step, prefetching 512 bytes ahead (the kernel's order before patch 0014),
+//           mode 0: 64 cells of the 16 rows per step, prefetching 512 bytes ahead (the first kernel's order),
 //           mode 1: each row from start to end, no prefetch,
 //           mode 2: 1024-cell chunks, the rows 4 at a time, partial sums through a buffer, each row's next chunk
-//                   requested into L1 non-temporally (the kernel's order since patch 0014),
+//                   requested into L1 non-temporally (the kernel's order),
 //           mode 3: each row from start to end, 4 accumulators, no prefetch (what the hardware prefetchers carry),
 //           mode 4: mode 3, with each row's last 2048 cells requesting the next row's first 2048;
 //           ADJACENT=1 in the environment puts a kv head's 16 rows next to each other (one 512 KiB run);
