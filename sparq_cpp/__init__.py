@@ -7,7 +7,13 @@
 
 from sparq_cpp.attention import Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
-from sparq_cpp.llm import Llama
 
 __all__ = ["Llama", "Dense", "SparQ", "Loki", "SparqError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # Llama subclasses llama_cpp.Llama: made on first use, so importing needs no llama_cpp
+    if name == "Llama":
+        from sparq_cpp.llm import llama_class
+        return llama_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -148,11 +148,20 @@ def _llama_class():
 _LLAMA = None
 
 
-def Llama(*args, **kwargs):  # noqa: N802 (a class, built on first use so importing needs no llama_cpp)
+def llama_class():
+    """The Llama class: a subclass of llama_cpp.Llama, made on first use so that importing sparq_cpp does
+    not need llama-cpp-python."""
     global _LLAMA
     if _LLAMA is None:
         _LLAMA = _llama_class()
-    return _LLAMA(*args, **kwargs)
+        _LLAMA.__module__, _LLAMA.__qualname__ = __name__, "Llama"
+    return _LLAMA
+
+
+def __getattr__(name):  # `from sparq_cpp.llm import Llama` gives the class itself
+    if name == "Llama":
+        return llama_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_model(path, *, attention=None, n_ctx: int = 4096, n_threads: int | None = None, seed: int = 0,
@@ -162,7 +171,7 @@ def open_model(path, *, attention=None, n_ctx: int = 4096, n_threads: int | None
     if n_ctx < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {n_ctx}")
     n_threads = check_threads(default_threads() if n_threads is None else n_threads)
-    llm = Llama(path, attention, cache_type=cache_type, n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
+    llm = llama_class()(path, attention, cache_type=cache_type, n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
                 n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads,
                 seed=seed, flash_attn=flash_attn, logits_all=logits_all)
     return llm, llm.summary

@@ -204,3 +204,15 @@ def test_stock_tool_runs_sparq_on_a_sliding_window_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sparse_attn           = sparq (r = 16, k = 32, l = 8" in proc.stderr
     assert "creating     SWA KV cache" in proc.stderr
+
+
+def test_llama_is_a_class(models):
+    import llama_cpp
+
+    import sparq_cpp
+    from sparq_cpp.llm import Llama as LlamaFromLlm
+
+    assert isinstance(Llama, type) and Llama is sparq_cpp.Llama is LlamaFromLlm
+    assert issubclass(Llama, llama_cpp.Llama) and Llama.__qualname__ == "Llama"
+    llm = open_llm(models["tiny"], SparQ(r=8, k=16))
+    assert isinstance(llm, Llama) and isinstance(llm, llama_cpp.Llama)
