@@ -1,5 +1,5 @@
 """Methods and the two backends that run them: llama.cpp (dense, sparq, loki) and the numpy/Numba
-reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite).
+reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa).
 
 A backend session holds one model context and runs one sample at a time:
 ``prefill(tokens)`` puts the prompt but its last token into the cache with dense attention;
@@ -22,7 +22,7 @@ from sparq_cpp.evaluation.sweep import METHODS
 BACKENDS = ("llama", "ref")
 LLAMA_METHODS = ("dense", "sparq", "loki")
 DEFAULT_BACKEND = {"dense": "llama", "sparq": "llama", "loki": "llama", "exact-topk": "ref", "h2o": "ref",
-                   "lm-infinite": "ref"}
+                   "lm-infinite": "ref", "alisa": "ref"}
 
 
 @dataclass(frozen=True)
@@ -158,11 +158,19 @@ class RefSession:
         self.loki_projection, self.model_path = loki_projection, model_path
         self._loki_bases = None
         self.n_prefill = 0
+        self._alisa = None  # ALISA's record of the prompt's attention weights, once alisa is asked for
+        self._tokens = []
 
     def prefill(self, tokens):
         self.ref.reset()
         self._prompt.reset()
         self.ref.attention = self._prompt
+        if self._alisa is not None:
+            from sparq_cpp.reference.baselines import RecordPrompt
+
+            self._alisa.reset()
+            self.ref.attention = RecordPrompt(self._prompt, self._alisa)
+        self._tokens = list(tokens)
         if len(tokens):
             self.ref.forward(list(tokens))
         self.n_prefill = self.ref.n_cells
@@ -197,6 +205,13 @@ class RefSession:
             att = LokiAttention(self._bases(), params["d"], params["k"], params.get("l", 0))
         elif method == "h2o":
             att = self._prompt.method.with_budget(params["k"], params["l"])  # the prompt's scores
+        elif method == "alisa":
+            if self._alisa is None:  # first use: prefill again, recording the prompt's weights from now on
+                from sparq_cpp.reference.baselines import SWAAttention
+
+                self._alisa = SWAAttention(params["c"])
+                self.prefill(self._tokens)
+            att = self._alisa.with_ratio(params["c"])  # the prompt's weights seed the window sums
         else:
             raise SparqError(f"unknown method {method!r}")
         wrapped = DensePrompt(att)

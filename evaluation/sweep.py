@@ -6,6 +6,9 @@ Per method (D the head size; dense reads 2*S*D + 2*D per KV head and step):
 - loki: the same with d for r and 2*D for 4*D.
 - h2o: 2*k*D + 2*D + 2*S = target * dense; l = k/4.
 - lm-infinite: 2*k*D + 2*D = target * dense; needs k > 16 (its first 16 positions).
+- alisa: caching ratio c with k = floor(n*c/2) (2k positions) chosen so that
+  2*(2k)*D + 2*D + 2*S + 8*k = target * dense at S (c = (2k + 1)/S, so floor(S*c/2) is k); k then grows
+  with n as ALISA's does.
 - exact-topk reads all of K, so it cannot go below 1/2: k = target * S (the share of positions it
   keeps equals the target, as the paper's oracle comparison does) and its real ratio is reported.
 - dense: ratio 1 only.
@@ -19,7 +22,7 @@ from fractions import Fraction
 from sparq_cpp import transfer
 from sparq_cpp.errors import SparqError
 
-METHODS = ("dense", "sparq", "loki", "exact-topk", "h2o", "lm-infinite")
+METHODS = ("dense", "sparq", "loki", "exact-topk", "h2o", "lm-infinite", "alisa")
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -80,6 +83,9 @@ def settings(method: str, target: float, S: int, D: int, *, r: int | None = None
     if method == "exact-topk":
         k = int(target * S)
         return {"k": k} if k >= 1 else None
+    if method == "alisa":
+        k = int((budget - 2 * D - 2 * S) // (4 * D + 8))
+        return {"c": (2 * k + 1) / S, "k": k} if k >= 1 else None
     raise AssertionError(method)
 
 
@@ -96,6 +102,8 @@ def elements(method: str, p: dict, n: int, D: int) -> float:
         return transfer.h2o_elements(n, D, p["k"])
     if method == "lm-infinite":
         return transfer.lm_infinite_elements(n, D, p["k"])
+    if method == "alisa":
+        return transfer.alisa_elements(n, D, p["c"])
     raise SparqError(f"unknown method {method!r}")
 
 

@@ -4,6 +4,8 @@ Element counts follow docs/spec.md exactly; `bytes_per_element` turns them into 
 """
 from __future__ import annotations
 
+import math
+
 # ggml block sizes: q8_0 stores 32 int8 values and one f16 scale (34 bytes per 32 elements).
 BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
@@ -42,6 +44,21 @@ def h2o_elements(n: int, D: int, k: int) -> float:
 def lm_infinite_elements(n: int, D: int, k: int) -> float:
     k = min(k, n)
     return 2 * k * D + 2 * D
+
+
+def alisa_window(n: int, c: float) -> int:
+    """ALISA's k at n visible positions for caching ratio c: floor(n*c/2), at least 1."""
+    return max(1, int(math.floor(n * c / 2)))
+
+
+def alisa_elements(n: int, D: int, c: float) -> float:
+    """ALISA's Sparse Window Attention (docs/spec.md): the K and V rows of its min(2k, n) positions,
+    the new k and v, and the local attention sums: 2*n + 8*k. The ranking reads the n sums; while
+    the window still holds prompt rows (dense ones) their part is one row of precomputed suffix
+    sums (n); each decode step adds its row (the sums at its 2k positions) and subtracts the row
+    leaving the window (its 2k weights, 2k positions and the sums there): 8*k."""
+    k = alisa_window(n, c)
+    return 2 * min(2 * k, n) * D + 2 * D + 2 * n + 8 * k
 
 
 def sparq_bytes(n: int, D: int, r: int, k: int, cache_type: str = "f16", kt_type: str = "f16") -> float:

@@ -273,6 +273,8 @@ def reads(method, n: int, D: int) -> float:
         return transfer.h2o_elements(n, D, method.k)
     if name == "lm-infinite":
         return transfer.lm_infinite_elements(n, D, method.k)
+    if name == "alisa":
+        return transfer.alisa_elements(n, D, method.c)
     raise SparqError(f"no transfer formula for attention {method!r}")
 
 
@@ -281,3 +283,205 @@ def compression_ratio(method, n: int, D: int) -> float:
     if n < 1 or D < 1:
         raise SparqError(f"compression ratio needs n >= 1 and D >= 1, got n={n}, D={D}")
     return transfer.compression(reads(method, n, D), n, D)
+
+
+class SWAAttention:
+    """ALISA's Sparse Window Attention (Zhao et al., 2024, Algorithm 1) with caching ratio ``c``.
+
+    At a step whose query sees ``n`` positions, ``k = floor(n*c/2)`` (at least 1):
+    - locally static: the ``k`` most recent visible positions (by token position; the query's own,
+      just stored position is one of them, the project's budget convention);
+    - globally dynamic: the ``k`` other visible positions with the largest local attention sum
+      ``S``, the sum of the attention weights of the last ``k`` steps (the ``k`` query rows processed
+      before this one, in order), summed over heads; equal sums go to the more recent position;
+    - exact attention of every query head over those ``2k`` positions (every visible position when
+      ``2k >= n``). The weights of this step, zero outside its set, join the window of the next
+      steps: a position no step of the last ``k`` selected has ``S = 0`` and loses every tie to a
+      more recent one, so in practice it is gone, as with H2O (but a position can come back while
+      some row of the window still weighs it).
+
+    Reading of Algorithm 1. Line 2's ``AW[n-k : n-1]`` is taken as the attention-weight rows of the
+    ``k`` steps before the current one (the current row is not computed yet when the set is chosen;
+    Algorithm 1's ``AW`` is the "previous attention weight", each step's line-7 output); line 3 is the
+    ``k`` most recent positions including the current one; ``I = [I^l, I^g]`` holds ``2k`` distinct
+    positions ("evenly splits final tokens into k globally dynamic and k local static tokens"), so
+    line 4's argmax runs over the positions outside ``I^l``. A decode row's weights are those of its
+    sparse softmax over its ``2k`` positions (line 7), zero elsewhere.
+
+    Prompt (the seeding). The prompt is attended densely, as llama.cpp and every method here keep
+    a prompt batch dense; its rows' dense softmax weights over their visible positions are recorded
+    (``prompt_call`` / ``record_prompt``), so the first sparse step's ``S`` sums the prompt's last
+    ``k`` rows (its dense weights), and later steps slide the window from the prompt's rows into
+    the decode rows: after ``k`` sparse steps no prompt row is left in it. With ``k`` growing with
+    ``n`` (``c/2`` per step), the window's start advances by 0 or 1 row per step.
+
+    Heads. The paper reduces the local attention sum "along the head dimension": one ``S`` and one
+    set per layer, over all query heads (``per_kv_head=False``, the default): every KV head of the
+    layer reads the same positions. ``per_kv_head=True`` sums only over the query heads of a KV
+    head's GQA group and chooses per KV head (H2O's grouping here). For a model with one KV head the
+    two are the same.
+
+    State: per layer, every recorded row as (cells, weights [units, m]) in float64: one sequence whose
+    cache only grows, until ``reset()``; ``with_ratio`` starts a new ratio from the same prompt rows.
+    The prompt rows take about ``n_prompt**2 / 2`` float64 per layer and unit. ``last_selection``:
+    [n_q, n_head_kv, width] cells in ascending order, -1 padded.
+    """
+
+    name = "alisa"
+
+    def __init__(self, c, per_kv_head=False):
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)) or not np.isfinite(c) \
+                or c <= 0:
+            raise SparqError(f"ALISA's caching ratio c must be a finite number > 0, got {c!r}")
+        self.c = float(c)
+        self.per_kv_head = bool(per_kv_head)
+        self.last_selection = None
+        self.reset()
+
+    def reset(self):
+        """Forget every recorded row: call before each new sequence (with a new KV cache)."""
+        self._prompt_rows: dict[int, list] = {}
+        self._rows: dict[int, list] = {}
+
+    def window(self, n: int) -> int:
+        """Algorithm 1's k at n visible positions: floor(n*c/2), at least 1."""
+        return transfer.alisa_window(n, self.c)
+
+    def with_ratio(self, c):
+        """A new SWA with caching ratio c that starts from this one's prompt rows (its decode rows are
+        not carried over): one prompt's record serves a sweep over ratios."""
+        other = SWAAttention(c, self.per_kv_head)
+        other._prompt_rows = {il: list(rows) for il, rows in self._prompt_rows.items()}
+        return other
+
+    def _units(self, n_head, n_head_kv):
+        """Lists of the query heads summed into each S (and sharing its selection)."""
+        g = n_head // n_head_kv
+        if self.per_kv_head:
+            return [list(range(h * g, (h + 1) * g)) for h in range(n_head_kv)]
+        return [list(range(n_head))]
+
+    def _check_layer(self, layer, units):
+        for rows in (self._prompt_rows.get(layer, ()), self._rows.get(layer, ())):
+            if rows and rows[-1][1].shape[0] != len(units):
+                raise SparqError(f"ALISA layer {layer}: recorded rows have {rows[-1][1].shape[0]} head groups, "
+                                 f"this call {len(units)}; SWA state is for one model and sequence, call reset()")
+
+    def window_sum(self, layer, k, n_kv, n_units=1):
+        """S [n_units, n_kv]: the weights of the last k recorded rows of the layer (prompt, then decode)."""
+        prompt, dec = self._prompt_rows.get(layer, []), self._rows.get(layer, [])
+        rows = dec[len(dec) - k:] if k <= len(dec) else prompt[max(0, len(prompt) - (k - len(dec))):] + dec
+        S = np.zeros((n_units, n_kv))
+        for cells, w in rows:
+            S[:, cells] += w
+        return S
+
+    def record_prompt(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
+        """Record prompt rows (dense softmax weights over each row's visible cells, summed per head
+        group) without computing the output."""
+        q, k, v, mask, kv_pos = _check_inputs(q, k, v, mask, kv_pos)
+        n_q, n_head, _ = q.shape
+        n_head_kv = k.shape[1]
+        g = n_head // n_head_kv
+        units = self._units(n_head, n_head_kv)
+        self._check_layer(layer, units)
+        kd = k.astype(np.float64)
+        W = np.zeros((len(units), n_q, k.shape[0]))
+        for u, heads in enumerate(units):
+            for j in heads:
+                s = float(kq_scale) * (q[:, j, :].astype(np.float64) @ kd[:, j // g, :].T)
+                s = np.where(mask, s, -np.inf)
+                m = s.max(axis=1, keepdims=True)
+                e = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+                tot = e.sum(axis=1, keepdims=True)
+                W[u] += e / np.where(tot > 0, tot, 1.0)
+        rows = self._prompt_rows.setdefault(layer, [])
+        for t in range(n_q):
+            cells = np.nonzero(mask[t])[0]
+            rows.append((cells, W[:, t, cells].copy()))
+
+    def prompt_call(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
+        """Prompt rows: dense attention, their weights recorded to seed the window sums."""
+        out = DenseAttention()(q, k, v, mask, kv_pos, kq_scale, layer)
+        self.record_prompt(q, k, v, mask, kv_pos, kq_scale, layer)
+        mask = np.asarray(mask, dtype=np.bool_)
+        sel = np.full((mask.shape[0], k.shape[1], mask.shape[1]), -1, dtype=np.int32)
+        for t in range(mask.shape[0]):
+            cells = np.nonzero(mask[t])[0]
+            sel[t, :, : cells.shape[0]] = cells
+        self.last_selection = sel
+        return out
+
+    def __call__(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
+        """Decode rows, in order: choose by the window sums, attend, record the step's weights."""
+        q, k, v, mask, kv_pos = _check_inputs(q, k, v, mask, kv_pos)
+        n_q, n_head, D = q.shape
+        n_kv, n_head_kv = k.shape[0], k.shape[1]
+        g = n_head // n_head_kv
+        units = self._units(n_head, n_head_kv)
+        self._check_layer(layer, units)
+        dec = self._rows.setdefault(layer, [])
+        out = np.zeros(q.shape, dtype=np.float32)
+        chosen_rows = []
+        for t in range(n_q):
+            cells = np.nonzero(mask[t])[0].astype(np.int64)
+            n = cells.shape[0]
+            if n == 0:
+                chosen_rows.append([cells] * len(units))
+                dec.append((cells, np.zeros((len(units), 0))))
+                continue
+            kk = self.window(n)
+            if 2 * kk >= n:
+                chosen = [cells] * len(units)
+            else:
+                rec = _recency_order(cells, kv_pos)  # most recent first
+                local, rest = cells[rec[:kk]], cells[rec[kk:]]
+                S = self.window_sum(layer, kk, n_kv, len(units))
+                chosen = []
+                for u in range(len(units)):
+                    order = np.argsort(-S[u, rest], kind="stable")  # rest is most recent first: ties to recency
+                    chosen.append(np.sort(np.concatenate((local, rest[order[:kk]]))))
+            row_cells = np.unique(np.concatenate(chosen))
+            row_w = np.zeros((len(units), row_cells.shape[0]))
+            for u, heads in enumerate(units):
+                sel = chosen[u]
+                at = np.searchsorted(row_cells, sel)
+                for j in heads:
+                    h = j // g
+                    s = float(kq_scale) * (k[sel, h, :].astype(np.float64) @ q[t, j].astype(np.float64))
+                    e = np.exp(s - s.max())
+                    w = e / e.sum()
+                    out[t, j] = w @ v[sel, h, :].astype(np.float64)
+                    row_w[u, at] += w
+            dec.append((row_cells, row_w))
+            chosen_rows.append(chosen)
+        width = max([1] + [max(c.shape[0] for c in ch) for ch in chosen_rows])
+        sel_out = np.full((n_q, n_head_kv, width), -1, dtype=np.int32)
+        for t, ch in enumerate(chosen_rows):
+            for h in range(n_head_kv):
+                c = ch[h if self.per_kv_head else 0]
+                sel_out[t, h, : c.shape[0]] = c
+        self.last_selection = sel_out
+        return out
+
+    def __repr__(self):
+        return f"SWAAttention(c={self.c:g}, per_kv_head={self.per_kv_head})"
+
+
+class RecordPrompt:
+    """``attention`` (e.g. a DensePrompt in its prompt phase) whose rows every recorder also sees
+    through its ``record_prompt``: one dense prefill records the state of several methods."""
+
+    def __init__(self, attention, *recorders):
+        self.attention = attention
+        self.recorders = recorders
+        self.name = getattr(attention, "name", None)
+
+    def __call__(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
+        y = self.attention(q, k, v, mask, kv_pos, kq_scale, layer)
+        for r in self.recorders:
+            r.record_prompt(q, k, v, mask, kv_pos, kq_scale, layer)
+        return y
+
+    def __repr__(self):
+        return f"RecordPrompt({self.attention!r}, {', '.join(map(repr, self.recorders))})"
