@@ -1,4 +1,5 @@
-"""`sparq-cpp make-model`: write a synthetic Llama GGUF (random weights, working tokenizer)."""
+"""`sparq-cpp make-model`: write a synthetic GGUF (random weights, working tokenizer) of one of the
+architectures the factory knows (llama, qwen2, qwen3, phi3, gemma3, olmo2, granite: the preset picks)."""
 from __future__ import annotations
 
 import click
@@ -27,15 +28,17 @@ def _size(n: int) -> str:
 @click.option("--n-ff", type=int, default=None, help="Override the feed-forward size.")
 @click.option("--n-vocab", type=int, default=None, help="Override the vocabulary size.")
 @click.option("--ctx", "n_ctx_train", type=int, default=None, help="Override the training context length.")
+@click.option("--key-length", type=int, default=None,
+              help="Head size, written as attention.key_length (default: n_embd / n_head, or the preset's).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 def command(preset, layers, wtype, seed, out, progress, **overrides):
-    """Write a synthetic Llama-architecture GGUF model to --out."""
+    """Write a synthetic GGUF model to --out (the preset's architecture: tiny-qwen3 is a qwen3 model)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     geo = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
     check_writable(out, "--out")  # its directory must exist: a mistyped path is not created
     path = write_model(out, preset, layers=layers, wtype=wtype, seed=seed, progress=progress, **overrides)
     click.echo(f"{path}  {_size(path.stat().st_size)}")
-    click.echo(f"preset {preset}, wtype {wtype}, seed {seed}: n_layer {geo.n_layer}, n_embd {geo.n_embd}, "
+    click.echo(f"preset {preset} ({geo.arch}), wtype {wtype}, seed {seed}: n_layer {geo.n_layer}, n_embd {geo.n_embd}, "
                f"n_head {geo.n_head}, n_head_kv {geo.n_head_kv}, head_dim {geo.head_dim}, "
                f"n_ff {geo.n_ff}, n_vocab {geo.n_vocab}, n_ctx_train {geo.n_ctx_train}, "
                f"rope_freq_base {geo.rope_freq_base:g}")

@@ -132,6 +132,22 @@ def test_dense_matches_reference(models, preset):
     assert rows.max() <= tol and steps.max() <= tol, (rows.max(), steps)
 
 
+# dense flash attention on an f16 cache, f16 and q8_0 weights: test_logits_match.py's bounds; gemma3's
+# GELU table adds its own f16 steps on top of the weights' (measured q8_0: 2.9e-2 prompt, 4.1e-2 decode)
+TOL_WEIGHTS = {"f16": 4e-3, "q8_0": 4e-2}
+TOL_WEIGHTS_GEMMA3 = {"f16": 4e-3, "q8_0": 6e-2}
+
+
+@pytest.mark.parametrize("wtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("preset", FAMILIES[1:])  # llama: test_logits_match.py
+def test_quantized_weights_match_reference(tmp_path, preset, wtype):
+    path = write_model(tmp_path / f"{preset}-{wtype}.gguf", preset, wtype=wtype, seed=3)
+    model = load_model(path)
+    rows, steps = compare(open_llm(path, Dense(), cache_type="f16"), reference(model, cache_type="f16"), n_decode=4)
+    tol = (TOL_WEIGHTS_GEMMA3 if preset == "tiny-gemma3" else TOL_WEIGHTS)[wtype]
+    assert rows.max() <= tol and steps.max() <= tol, (rows.max(), steps)
+
+
 def test_gemma3_window_is_applied(models):
     """The window mask and the local RoPE base matter on this model: a reference without them is far off."""
     import dataclasses
@@ -351,8 +367,10 @@ def test_calibration_captures_the_rope_input(models, preset):
         cap.run(tokens(40))
     assert sorted(got) == list(range(hp.n_layer))
     for il, (pre, post, pos) in got.items():
-        swa = hp.is_swa(il)
-        base, scale = (hp.rope_freq_base_swa, hp.rope_freq_scale_swa) if swa else (hp.rope_freq_base, hp.rope_freq_scale)
+        if hp.is_swa(il):
+            base, scale = hp.rope_freq_base_swa, hp.rope_freq_scale_swa
+        else:
+            base, scale = hp.rope_freq_base, hp.rope_freq_scale
         cos, sin = rope_cos_sin(pos, hp.n_rot, base, scale)
         rotated = (rope_neox if hp.rope_neox else rope_norm)(pre, cos, sin)
         assert np.abs(rotated - post).max() <= 1e-5 * np.abs(post).max(), il
@@ -478,3 +496,19 @@ def test_sparse_op_equals_the_reference_on_llama_cpp_inputs(models, projections,
             n_done += n
     finally:
         cap.close()
+
+
+def test_make_model_cli_writes_the_families(tmp_path):
+    import gguf
+
+    out = tmp_path / "g.gguf"
+    proc = run("make-model", "--preset", "tiny-qwen3", "--key-length", "96", "--wtype", "q8_0", "--out", str(out),
+               "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "preset tiny-qwen3 (qwen3)" in proc.stdout and "head_dim 96" in proc.stdout
+    fields = gguf.GGUFReader(out).fields
+    assert fields["general.architecture"].contents() == "qwen3"
+    assert fields["qwen3.attention.key_length"].contents() == 96
+    assert check_gguf(out).head_dim == 96
+    assert_one_line_error(run("make-model", "--preset", "tiny-phi3", "--key-length", "64", "--out", str(out)),
+                          "key_length: phi3 needs n_head * key_length == n_embd")
