@@ -512,3 +512,24 @@ def test_make_model_cli_writes_the_families(tmp_path):
     assert check_gguf(out).head_dim == 96
     assert_one_line_error(run("make-model", "--preset", "tiny-phi3", "--key-length", "64", "--out", str(out)),
                           "key_length: phi3 needs n_head * key_length == n_embd")
+
+
+def test_serve_gemma3_sparse_with_slot_save_restore(models, tmp_path):
+    """llama-server with SparQ on gemma3 (sparse full layers, dense window layers): /props reports it, and a
+    slot saved and restored continues exactly as before (the iSWA cache's K^T copy and V sums come back)."""
+    from test_serve import Server
+
+    path, _ = models("tiny-gemma3")
+    s = Server(path, "--r", "8", "--k", "16", "--l", "4", tmp_path=tmp_path)
+    try:
+        assert s.get("/props")["sparse_attn"]["mode"] == "sparq"
+        prompt = "It was the best of times, it was the worst of times, it was the age of wisdom"
+        first = s.complete(prompt, n=12, id_slot=0, cache_prompt=True)
+        assert s.post("/slots/0?action=save", {"filename": "g3.bin"})["n_saved"] > 0
+        cont = {"id_slot": 0, "cache_prompt": True}
+        want = s.complete(prompt + first, n=12, **cont)
+        s.post("/slots/0?action=erase", {})
+        assert s.post("/slots/0?action=restore", {"filename": "g3.bin"})["n_restored"] > 0
+        assert s.complete(prompt + first, n=12, **cont) == want
+    finally:
+        s.close()
