@@ -84,11 +84,6 @@ class ModelGeometry:
         """llama.cpp's set_swa_pattern (dense_first false) for a model with a window."""
         return self.n_swa > 0 and il % self.swa_pattern < self.swa_pattern - 1
 
-    @property
-    def kq_scale(self) -> float:
-        """The attention score scale llama.cpp uses for this geometry."""
-        return self.attention_scale or 1.0 / float(np.sqrt(self.head_dim))
-
 
 PRESETS: dict[str, ModelGeometry] = {
     "tiny": ModelGeometry(2, 256, 4, 4, 512, 2048, 4096),

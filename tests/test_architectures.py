@@ -154,6 +154,7 @@ def test_gemma3_window_is_applied(models):
 
     path, model = models("tiny-gemma3")
     assert model.hparams.swa_layers == (True, False, True, False) and model.hparams.n_swa == 32
+    assert tuple(PRESETS["tiny-gemma3"].is_swa(il) for il in range(4)) == model.hparams.swa_layers
     llm = open_llm(path, Dense(), flash_attn=False)
     prompt = tokens(N_PROMPT)
     llm.eval(prompt)
