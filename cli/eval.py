@@ -51,6 +51,9 @@ def _data(items):
 @click.command("eval")
 @click.option("--gguf", type=click.Path(dir_okay=False), default=None,
               help="GGUF model (default: the demo model, models/austen.q8_0.gguf).")
+@click.option("--model", "model_name", default=None, metavar="NAME",
+              help="A real model fetched on first use and checked by sha256 (sparq_cpp/real_models.py): "
+                   "smollm2-135m. Instead of --gguf.")
 @click.option("--tasks", "task_list", default="bpc,repetition,needle,kv,copy", show_default=True,
               help="Comma-separated, from: bpc, repetition, needle, kv, copy.")
 @click.option("--data", "data", multiple=True, metavar="TASK=PATH",
@@ -87,7 +90,7 @@ def _data(items):
               help="Write a PNG: score vs compression per method, a panel per task.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
-def command(gguf, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
+def command(gguf, model_name, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
             sparq_r, sparq_local, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
             progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
@@ -120,6 +123,12 @@ def command(gguf, task_list, data, methods, ratios, samples, context, continuati
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):
         if path:
             check_writable(path, option)  # now, not after the run
+    if model_name is not None:
+        if gguf is not None:
+            raise SparqError("give --gguf or --model, not both")
+        from sparq_cpp.real_models import fetch
+
+        gguf = fetch(model_name, log=lambda msg: click.echo(msg, err=True))
     if gguf is None:
         from sparq_cpp.demo_model import default_model
 

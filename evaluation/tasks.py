@@ -51,7 +51,7 @@ class Sample:
     task: str
     id: str
     kind: str                 # "score" or "generate"
-    prompt: list[int]         # tokens, BOS first
+    prompt: list[int]         # tokens, BOS first where the model's vocabulary adds one
     target: list[int] = field(default_factory=list)  # score: the tokens scored
     n_chars: int = 0          # score: characters of the scored text
     max_new: int = 0          # generate: most tokens generated
@@ -93,6 +93,13 @@ class Tokenizer:
             raise SparqError(f"llama.cpp could not load the tokenizer of {path}: {e}") from None
         self.eos = self._llm.token_eos()
         self.bos = self._llm.token_bos()
+        # whether llama.cpp puts BOS before a text for this model (SmolLM2's vocabulary does not)
+        self.add_bos = bool(self._llm._model.add_bos_token())
+
+    @property
+    def start(self) -> list[int]:
+        """What a text starts with: [BOS] where the model's vocabulary adds it, else nothing."""
+        return [self.bos] if self.add_bos else []
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
         return self._llm.tokenize(text.encode("utf-8"), add_bos=bos)
@@ -211,8 +218,9 @@ def bpc_samples(text: str, tok: Tokenizer, cfg: TaskConfig, where: str) -> list[
         if len(piece) < cfg.context + cfg.continuation:
             raise SparqError(f"bpc task file {where} is too short for {cfg.samples} sample(s) of "
                              f"{cfg.context} + {cfg.continuation} tokens")
-        prefix = [tok.bos] + piece[: cfg.context - 1]
-        target = piece[cfg.context - 1: cfg.context - 1 + cfg.continuation]
+        n0 = cfg.context - len(tok.start)
+        prefix = tok.start + piece[:n0]
+        target = piece[n0: n0 + cfg.continuation]
         chars = len(tok.decode(target, prev=prefix))
         out.append(Sample("bpc", f"bpc-{i}", "score", prefix, target=target, n_chars=chars,
                           meta={"char_offset": start}))

@@ -157,11 +157,44 @@ def quant_dequant_q8_0(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(x.shape).astype(F32)
 
 
+def quant_dequant_q8_K(x: np.ndarray) -> np.ndarray:
+    """What a K-quant vec_dot sees of an f32 activation row (quantize_row_q8_K_ref, which x86 uses):
+    blocks of 256, iscale = -127/x_max (x_max the element of largest |x|, the first if tied),
+    q = min(127, round-half-even(iscale * x)), d = 1/iscale kept in f32."""
+    n = x.shape[-1]
+    if n % 256:
+        raise SparqError(f"K-quant matmul needs a row length divisible by 256, got {n}")
+    xb = x.astype(F32).reshape(*x.shape[:-1], n // 256, 256)
+    imax = np.abs(xb).argmax(axis=-1)[..., None]  # first index of the largest |x|, as the C loop keeps
+    xmax = np.take_along_axis(xb, imax, axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(xmax != 0, F32(-127.0) / xmax, F32(0.0)).astype(F32)
+        d = np.where(xmax != 0, F32(1.0) / iscale, F32(0.0)).astype(F32)
+    q = np.minimum(np.rint((iscale * xb).astype(F32)), F32(127.0))  # nearest_int: half to even
+    return (q * d).reshape(x.shape).astype(F32)
+
+
+# ggml-cpu's vec_dot_type per weight type: the form the activation is converted to before the dot.
+_Q8_0_ACT = (QT.Q8_0, QT.Q4_0, QT.Q5_0)
+_Q8_1_ACT = (QT.Q4_1, QT.Q5_1)
+_Q8_K_ACT = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
 def round_activation(x: np.ndarray, wtype) -> np.ndarray:
+    """The activation as ggml-cpu's matmul for this weight type sees it.
+
+    q8_1 (q4_1/q5_1 weights) quantizes exactly as q8_0 (d = amax/127 as f16, q = rint(x/d)); its
+    block also stores s = d * sum(q) as f16, which the dot uses for the weights' offset m
+    (m * s instead of m * sum(q * d_f16)). That rounding of s (< 2^-11 relative) is not emulated:
+    the weights' m is not visible here. K-quant weights see Q8_K (quant_dequant_q8_K). ggml's
+    repacked CPU paths (q4_0, q4_K, iq4_nl on AVX2 and up) quantize activations with their own
+    code (quantize_mat_q8_*), which this follows only as far as it matches the row quantizers."""
     if wtype == QT.F16:
         return round_f16(x)
-    if wtype == QT.Q8_0:
+    if wtype in _Q8_0_ACT or wtype in _Q8_1_ACT:
         return quant_dequant_q8_0(x)
+    if wtype in _Q8_K_ACT:
+        return quant_dequant_q8_K(x)
     return x
 
 

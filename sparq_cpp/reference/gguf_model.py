@@ -21,7 +21,11 @@ from gguf.quants import dequantize
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import open_gguf
 
-SUPPORTED_WTYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0)
+_Q = GGMLQuantizationType
+# The types gguf.quants dequantizes and whose matmul activations forward.round_activation rounds as
+# ggml-cpu does (vec_dot_type: q4_0/q5_0/q8_0 -> Q8_0, q4_1/q5_1 -> Q8_1, K-quants -> Q8_K).
+SUPPORTED_WTYPES = (_Q.F32, _Q.F16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
+                    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
@@ -115,6 +119,7 @@ def _dequant(t) -> np.ndarray:
             f"tensor {t.name} has type {t.tensor_type.name}; the reference supports only "
             f"{', '.join(w.name for w in SUPPORTED_WTYPES)}")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    # gguf.quants dequantizes block by block in float32, f16 scales widened (q4_1: d * q + m)
     return np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
