@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 BUILD_ARGS ?=
 
-.PHONY: setup demo test test-slow build tree export clean
+.PHONY: setup demo test test-slow build tree export clean gpu-check
 setup: $(VENV)/.deps build
 
 $(VENV)/.deps: pyproject.toml
@@ -36,6 +36,11 @@ tree: $(VENV)/.deps
 
 export:
 	$(PY) -m sparq_cpp.pyext.patchtree export $(TREE)
+
+# The CUDA kernel's check for a machine with a GPU: .sparq-build/gpu-check (the patched ggml of the current series,
+# test-backend-ops, run.sh build|test|bench); bench/gpu_check.py. TREE=dir takes a `make tree` checkout.
+gpu-check: $(VENV)/.deps
+	$(PY) -m bench.gpu_check $(if $(TREE),--tree $(TREE))
 
 clean:
 	rm -rf $(VENV) .sparq-build
