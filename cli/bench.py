@@ -4,7 +4,9 @@ from __future__ import annotations
 import click
 
 from sparq_cpp.bench.compare import RERUN_TOL
-from sparq_cpp.bench.e2e import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, format_table, parse_depths, run
+from sparq_cpp.bench.e2e import run
+from sparq_cpp.bench.e2e_config import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, parse_depths
+from sparq_cpp.bench.e2e_report import format_table
 from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, threads_type
 from sparq_cpp.modelfactory import PRESETS, WTYPES
 

@@ -13,7 +13,7 @@ pytest.importorskip("llama_cpp")
 import llama_cpp  # noqa: E402
 
 from sparq_cpp import Dense, Llama, SparQ, SparqError  # noqa: E402
-from sparq_cpp.bench import e2e  # noqa: E402
+from sparq_cpp.bench import e2e, e2e_config, e2e_memory, e2e_model, e2e_report  # noqa: E402
 from sparq_cpp.bench.e2e import MODES, BenchConfig  # noqa: E402
 from sparq_cpp.bench.stateblob import (KVLayout, blob_size, dequantize_q8_0, parse_state,  # noqa: E402
                                        quantize_q8_0, synthetic_state)
@@ -128,11 +128,11 @@ def test_synthetic_fill_decodes_at_fixed_depth(models, preset, cache_type, kind)
     shape = shape_from_gguf(path)
     name = {("dense", "f16"): "dense-fa", ("dense", "q8_0"): "dense-q8kv",
             ("sparq", "f16"): "sparq", ("sparq", "q8_0"): "sparq-q8kv"}[kind, cache_type]
-    cfg = e2e.validate(BenchConfig(model=path, depths=[300], modes=[name], threads=1, r=8, k=32, l=8))
+    cfg = e2e_config.validate(BenchConfig(model=path, depths=[300], modes=[name], threads=1, r=8, k=32, l=8))
     c = e2e._Context(path, shape, MODES[name], cfg, 300, ["synthetic"])
     try:
         assert c.attention["mode"] == (1 if kind == "sparq" else 0)
-        k_std, v_std, _ = e2e.kv_scales(path, shape)
+        k_std, v_std, _ = e2e_model.kv_scales(path, shape)
         assert k_std is not None and k_std.shape == (shape.n_layer, shape.n_embd_kv)
         c.fill_synthetic(300, k_std, v_std, seed=0)
         steps = [c.step(300, 7) for _ in range(3)]  # each step decodes at 300 and removes it again
@@ -216,50 +216,50 @@ def test_shape_from_gguf_matches_geometry(tmp_path):
 def test_memory_estimate_and_layer_choice():
     geo = resolve_geometry("llama2-7b", wtype="q8_0", layers=8)
     shape = shape_from_geometry(geo, "q8_0")
-    est = e2e.estimate_memory(shape, MODES["sparq"], 32768, ["synthetic"])
+    est = e2e_memory.estimate_memory(shape, MODES["sparq"], 32768, ["synthetic"])
     n_ctx = 32768 + 256
     assert est["kv_cache"] == 2 * 8 * n_ctx * 4096 * 2 and est["k_transposed"] == 8 * n_ctx * 4096 * 2
     assert est["total"] == sum(v for k, v in est.items() if k != "total")
-    assert e2e.estimate_memory(shape, MODES["dense-fa"], 32768, ["synthetic"])["k_transposed"] == 0
+    assert e2e_memory.estimate_memory(shape, MODES["dense-fa"], 32768, ["synthetic"])["k_transposed"] == 0
     cfg = BenchConfig(depths=[32768], modes=["dense-fa", "sparq"])
 
     def geo_for(L):
         return shape_from_geometry(resolve_geometry("llama2-7b", wtype="q8_0", layers=L), "q8_0")
 
-    per = e2e.depth_estimate(geo_for(9), cfg, 32768)["total"]
-    assert e2e.choose_layers(geo_for, cfg, per, 32) == 8  # 9 fit, rounded down to a multiple of 4
-    assert e2e.choose_layers(geo_for, cfg, 10**8, 32) == 0
+    per = e2e_memory.depth_estimate(geo_for(9), cfg, 32768)["total"]
+    assert e2e_memory.choose_layers(geo_for, cfg, per, 32) == 8  # 9 fit, rounded down to a multiple of 4
+    assert e2e_memory.choose_layers(geo_for, cfg, 10**8, 32) == 0
     # modes share a depth's timing window where their contexts fit together
     cfg4 = BenchConfig(depths=[32768], modes=["dense-fa", "dense-nofa", "dense-q8kv", "sparq"])
     s8 = geo_for(8)
-    one = e2e.group_estimate(s8, cfg4, 32768, ["dense-fa"])
-    two = e2e.group_estimate(s8, cfg4, 32768, ["dense-fa", "dense-nofa"])
+    one = e2e_memory.group_estimate(s8, cfg4, 32768, ["dense-fa"])
+    two = e2e_memory.group_estimate(s8, cfg4, 32768, ["dense-fa", "dense-nofa"])
     assert two["weights"] == one["weights"] and two["kv_cache"] == 2 * one["kv_cache"]
-    assert e2e.plan_groups(s8, cfg4, 32768, 10**12) == [cfg4.modes]
-    assert e2e.plan_groups(s8, cfg4, 32768, two["total"]) == [["sparq"], ["dense-fa", "dense-nofa"], ["dense-q8kv"]]
+    assert e2e_memory.plan_groups(s8, cfg4, 32768, 10**12) == [cfg4.modes]
+    assert e2e_memory.plan_groups(s8, cfg4, 32768, two["total"]) == [["sparq"], ["dense-fa", "dense-nofa"], ["dense-q8kv"]]
     # the baseline given shares the sparse modes' window
-    pair = e2e.group_estimate(s8, cfg4, 32768, ["dense-nofa", "sparq"])["total"]
-    assert e2e.plan_groups(s8, cfg4, 32768, pair, "dense-nofa") == [["dense-nofa", "sparq"], ["dense-fa", "dense-q8kv"]]
+    pair = e2e_memory.group_estimate(s8, cfg4, 32768, ["dense-nofa", "sparq"])["total"]
+    assert e2e_memory.plan_groups(s8, cfg4, 32768, pair, "dense-nofa") == [["dense-nofa", "sparq"], ["dense-fa", "dense-q8kv"]]
     # ... the faster of the baselines at the deepest depth measured so far
     rec = [{"depth": d, "mode": m, "fill": "synthetic", "median_s": t} for d, m, t in
            [(1024, "dense-fa", 1.0), (1024, "dense-nofa", 2.0), (2048, "dense-fa", 3.0), (2048, "dense-nofa", 2.5),
             (2048, "sparq", 0.1)]]
-    assert e2e.faster_baseline(rec[:2]) == "dense-fa" and e2e.faster_baseline(rec) == "dense-nofa"
-    assert e2e.faster_baseline(rec[-1:]) is None
-    assert e2e.plan_groups(s8, cfg4, 32768, 0) == [["sparq"], ["dense-fa"], ["dense-nofa"], ["dense-q8kv"]]
-    assert e2e.plan_groups(s8, BenchConfig(**{**cfg4.__dict__, "interleave": False}), 32768, 10**12) == \
+    assert e2e_report.faster_baseline(rec[:2]) == "dense-fa" and e2e_report.faster_baseline(rec) == "dense-nofa"
+    assert e2e_report.faster_baseline(rec[-1:]) is None
+    assert e2e_memory.plan_groups(s8, cfg4, 32768, 0) == [["sparq"], ["dense-fa"], ["dense-nofa"], ["dense-q8kv"]]
+    assert e2e_memory.plan_groups(s8, BenchConfig(**{**cfg4.__dict__, "interleave": False}), 32768, 10**12) == \
         [[m] for m in cfg4.modes]
 
 
 # ---- bad input ---------------------------------------------------------------------------
 
 def test_parse_depths_and_modes():
-    assert e2e.parse_depths("1k,2k,512,1k") == [512, 1024, 2048]
+    assert e2e_config.parse_depths("1k,2k,512,1k") == [512, 1024, 2048]
     for bad in ("", "1x", "0", "-1k"):
         with pytest.raises(SparqError, match="--depths"):
-            e2e.parse_depths(bad)
+            e2e_config.parse_depths(bad)
     with pytest.raises(SparqError, match="unknown mode 'sparse'"):
-        e2e.parse_modes("dense-fa,sparse")
+        e2e_config.parse_modes("dense-fa,sparse")
 
 
 def test_bad_input_errors(models, tmp_path):
@@ -271,19 +271,19 @@ def test_bad_input_errors(models, tmp_path):
     with pytest.raises(SparqError, match=r"depth 64 does not fit this machine's memory: estimated peak"):
         e2e.run(BenchConfig(**{**base, "mem_fraction": 1e-6}), log=lambda s: None)
     with pytest.raises(SparqError, match="does not exist"):
-        e2e.validate(BenchConfig(**{**base, "json_path": tmp_path / "nope" / "x.json"}))
+        e2e_config.validate(BenchConfig(**{**base, "json_path": tmp_path / "nope" / "x.json"}))
     with pytest.raises(SparqError, match="is a directory"):
-        e2e.validate(BenchConfig(**{**base, "plot_path": tmp_path}))
+        e2e_config.validate(BenchConfig(**{**base, "plot_path": tmp_path}))
     with pytest.raises(SparqError, match="--mem-fraction"):
-        e2e.validate(BenchConfig(**{**base, "mem_fraction": 0}))
+        e2e_config.validate(BenchConfig(**{**base, "mem_fraction": 0}))
     with pytest.raises(SparqError, match="--l"):
-        e2e.validate(BenchConfig(**{**base, "k": 8, "l": 9}))
+        e2e_config.validate(BenchConfig(**{**base, "k": 8, "l": 9}))
     with pytest.raises(SparqError, match="--fill"):
-        e2e.validate(BenchConfig(**{**base, "fill": "magic"}))
+        e2e_config.validate(BenchConfig(**{**base, "fill": "magic"}))
     with pytest.raises(SparqError, match="--loki-l"):
-        e2e.validate(BenchConfig(**{**base, "k": 8, "l": 2, "loki_l": 9}))
+        e2e_config.validate(BenchConfig(**{**base, "k": 8, "l": 2, "loki_l": 9}))
     with pytest.raises(SparqError, match="--loki-pca: file not found"):
-        e2e.validate(BenchConfig(**{**base, "loki_pca": tmp_path / "missing.gguf"}))
+        e2e_config.validate(BenchConfig(**{**base, "loki_pca": tmp_path / "missing.gguf"}))
     with pytest.raises(SparqError, match="model file not found"):
         e2e.run(BenchConfig(**{**base, "model": tmp_path / "missing.gguf"}), log=lambda s: None)
 
@@ -322,7 +322,7 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
     doc = e2e.run(cfg, log=logs.append)
     assert any("estimated peak" in s for s in logs) and any("bandwidth" in s for s in logs)
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["schema"] == e2e.SCHEMA
+    assert data["schema"] == e2e_config.SCHEMA
     assert data["machine"]["threads"] == 1 and data["machine"]["bandwidth"]["best_gbs"] > 0
     assert data["machine"]["cpu_model"] and data["machine"]["mem_total_bytes"] > 0
     assert "build" in data["machine"]
@@ -348,7 +348,7 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
     png = (tmp_path / "r.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.tmp"))
-    table = e2e.format_table(doc)
+    table = e2e_report.format_table(doc)
     assert "median ms" in table and "fill agreement" in table and "2 rounds" in table
     if HAS_SPARSE:
         lo, hi = min(s["speedup_rounds"]), max(s["speedup_rounds"])
@@ -377,9 +377,9 @@ def test_rounds_pool_their_steps():
 def test_round_speedups_pair_rounds_of_one_window():
     def rec(medians):
         return {"rounds": [{"median_s": m} for m in medians]}
-    assert e2e._round_speedups(rec([2.0, 3.0, 4.0]), rec([1.0, 2.0, 2.0])) == [2.0, 1.5, 2.0]
-    assert e2e._round_speedups(rec([2.0]), rec([1.0])) is None            # one round: the pooled speed-up says it all
-    assert e2e._round_speedups(rec([2.0, 3.0]), rec([1.0, 2.0, 2.0])) is None
+    assert e2e_report._round_speedups(rec([2.0, 3.0, 4.0]), rec([1.0, 2.0, 2.0])) == [2.0, 1.5, 2.0]
+    assert e2e_report._round_speedups(rec([2.0]), rec([1.0])) is None            # one round: the pooled speed-up says it all
+    assert e2e_report._round_speedups(rec([2.0, 3.0]), rec([1.0, 2.0, 2.0])) is None
 
 
 def test_memory_is_checked_before_the_model_is_written(tmp_path, monkeypatch):
@@ -406,7 +406,7 @@ def test_disturbed_steps_are_retaken_and_flagged(models, monkeypatch):
     (r,) = doc["results"]
     assert all(r["disturbed"]) and len(r["samples_s"]) == 3 + 2
     assert r["stats_from"].startswith("all steps") and r["n_used"] == 5
-    assert "5/5!" in e2e.format_table(doc)
+    assert "5/5!" in e2e_report.format_table(doc)
 
 
 def test_bench_compare(tmp_path):
@@ -415,7 +415,7 @@ def test_bench_compare(tmp_path):
     from sparq_cpp.bench.compare import compare, format_comparison, load
 
     def doc(speedups):
-        return {"schema": e2e.SCHEMA, "summary": [
+        return {"schema": e2e_config.SCHEMA, "summary": [
             {"depth": d, "mode": m, "speedup": s} for (d, m), s in speedups.items()] +
             [{"depth": 1024, "mode": "dense-nofa", "speedup": None}]}
     a = doc({(1024, "sparq"): 1.0, (4096, "sparq"): 2.0, (4096, "loki"): 1.5})

@@ -289,11 +289,11 @@ def test_threads_are_bounded_in_python_too():
 
 
 def test_bench_bandwidth_buffer_is_checked():
-    from sparq_cpp.bench import e2e
+    from sparq_cpp.bench import e2e_config
 
     for nbytes, message in [(0, "--bandwidth-mib: must be >= 1"), (1 << 60, "more than the memory available")]:
         with pytest.raises(SparqError, match=message):
-            e2e.validate(e2e.BenchConfig(depths=[64], modes=["dense-fa"], threads=1, bandwidth_bytes=nbytes))
+            e2e_config.validate(e2e_config.BenchConfig(depths=[64], modes=["dense-fa"], threads=1, bandwidth_bytes=nbytes))
 
 
 def test_fixed_rank_zero_is_refused_not_ignored():
