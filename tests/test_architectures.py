@@ -210,8 +210,8 @@ def projections(models, tmp_path_factory):
     def get(preset):
         if preset not in made:
             path, _ = models(preset)
-            pca = calibrate(path, calibration_text(), n_tokens=1024, ctx_size=CTX, n_threads=2)
-            made[preset] = (write_projection(root / f"{preset}.loki.gguf", pca, path, ctx_size=CTX), pca)
+            pca = calibrate(path, calibration_text(), n_tokens=512, ctx_size=256, n_threads=2)
+            made[preset] = (write_projection(root / f"{preset}.loki.gguf", pca, path, ctx_size=256), pca)
         return made[preset]
 
     return get
@@ -296,18 +296,23 @@ def test_api_refuses_what_sparse_attention_cannot_run_on(refused_models):
 
 
 def test_cli_refuses_what_sparse_attention_cannot_run_on(refused_models, tmp_path):
+    """Each command once on a model of each kind of check (the API test covers every model)."""
     (tmp_path / "text.txt").write_text(calibration_text(200))
-    for path, needle in refused_models[:1] + refused_models[-3:]:  # one of each kind of check is enough here
-        p = str(path)
-        assert_one_line_error(run("generate", "--gguf", p, "-n", "2", "--r", "8", "--k", "16"),
-                              "SparQ cannot run on this model", needle)
-        assert_one_line_error(run("serve", "--gguf", p, "--r", "8", "--k", "16"), "SparQ cannot run on this model",
-                              needle)
-        assert_one_line_error(run("calibrate", "--gguf", p, "--text", str(tmp_path / "text.txt"), "--tokens", "64",
-                                  "--ctx-size", "32", "--out", str(tmp_path / "x.loki.gguf")),
-                              "Loki cannot run on this model", needle)
-        assert_one_line_error(run("eval", "--gguf", p, "--methods", "dense,sparq", "--no-progress"),
-                              "cannot run on this model", needle)
+    kinds = {}
+    for path, needle in refused_models:
+        kinds.setdefault(needle, path)
+    commands = [
+        (["generate", "-n", "2", "--r", "8", "--k", "16"], "SparQ cannot run on this model"),
+        (["serve", "--r", "8", "--k", "16"], "SparQ cannot run on this model"),
+        (["calibrate", "--text", str(tmp_path / "text.txt"), "--tokens", "64", "--ctx-size", "32", "--out",
+          str(tmp_path / "x.loki.gguf")], "Loki cannot run on this model"),
+        (["eval", "--methods", "dense,sparq", "--no-progress"], "sparq cannot run on this model"),
+        (["generate", "-n", "2", "--d", "8", "--k", "16", "--loki-pca", str(tmp_path / "text.txt")],
+         "Loki cannot run on this model"),  # refused before the projection is read
+    ]
+    for i, (needle, path) in enumerate(kinds.items()):
+        args, message = commands[i % len(commands)]
+        assert_one_line_error(run(args[0], "--gguf", str(path), *args[1:]), message, needle)
 
 
 def test_dense_is_not_refused_by_the_checks(refused_models):
