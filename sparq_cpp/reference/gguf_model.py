@@ -156,7 +156,7 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
     if int(kv("attention.value_length", head_dim)) != head_dim:
         raise SparqError("attention.value_length differs from key_length (unsupported)")
     n_rot = int(kv("rope.dimension_count", head_dim))
-    if n_rot != head_dim:  # llama.cpp asserts this in these graphs (phi3's partial rotary is not written here)
+    if n_rot != head_dim:  # the graphs assert it (llama, qwen*, olmo2, granite); the RoPE here rotates all of D
         raise SparqError(f"invalid n_rot {n_rot}, expected {head_dim}")
     scaling = kv("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
