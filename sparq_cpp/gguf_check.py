@@ -100,8 +100,9 @@ class _Header:
     STRING, ARRAY = 8, 9
 
     class _Array:
-        def __init__(self, count):
+        def __init__(self, count, values=None):
             self.count = count
+            self.values = values  # decoded for short arrays of numbers (per-layer settings), else None
 
         def __str__(self):
             return f"an array of {self.count} values"
@@ -155,8 +156,12 @@ class _Header:
         if vtype == self.ARRAY:
             itype, count = struct.unpack_from("<IQ", buf, pos)
             pos += 12
+            values = None
             if itype in self._SCALARS:
-                pos += count * struct.calcsize(self._SCALARS[itype])
+                size = struct.calcsize(self._SCALARS[itype])
+                if count <= MAX_LAYERS and pos + count * size <= len(buf):
+                    values = list(struct.unpack_from(f"<{count}{self._SCALARS[itype][1:]}", buf, pos))
+                pos += count * size
             elif itype == self.STRING:
                 for _ in range(count):  # skipped, not decoded
                     (n,) = struct.unpack_from("<Q", buf, pos)
@@ -166,7 +171,7 @@ class _Header:
                     _, pos = self._value(buf, pos, itype)
             if pos > len(buf):
                 raise ValueError("an array runs past the end of the file")
-            return self._Array(count), pos
+            return self._Array(count, values), pos
         raise ValueError(f"unknown metadata value type {vtype}")
 
     def get(self, key, default=None):
@@ -241,8 +246,10 @@ def swa_layers(path) -> tuple | None:
         return None
     n_layer = reader.get(f"{arch}.block_count")
     pattern = reader.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN_DEFAULT[arch])
+    if isinstance(pattern, _Header._Array) and pattern.values is not None and len(pattern.values) >= n_layer:
+        return tuple(bool(x) for x in pattern.values[:n_layer])  # per-layer flags, as load_swa_pattern reads them
     if not isinstance(pattern, int) or isinstance(pattern, bool):
-        raise SparqError(f"{path}: {arch}.attention.sliding_window_pattern as per-layer flags is not supported here")
+        raise SparqError(f"{path}: {arch}.attention.sliding_window_pattern must be a number or per-layer flags")
     return tuple(pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer))
 
 

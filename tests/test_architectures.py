@@ -539,3 +539,25 @@ def test_serve_gemma3_sparse_with_slot_save_restore(models, tmp_path):
         assert s.complete(prompt + first, n=12, **cont) == want
     finally:
         s.close()
+
+
+def test_gemma3_window_layers_as_per_layer_flags(models, tmp_path):
+    """sliding_window_pattern may be per-layer flags (as converters write for other models): the checks, the
+    reference and llama.cpp read the same layers as window layers."""
+    import gguf
+
+    from conftest import rewrite_gguf
+    from sparq_cpp.gguf_check import swa_layers
+
+    src, _ = models("tiny-gemma3")
+    assert swa_layers(src) == (True, False, True, False)
+    flags = [False, True, True, False]
+    path = rewrite_gguf(src, tmp_path / "flags.gguf",
+                        {"gemma3.attention.sliding_window_pattern": (flags, gguf.GGUFValueType.ARRAY)})
+    assert swa_layers(path) == tuple(flags)
+    model = load_model(path)
+    assert model.hparams.swa_layers == tuple(flags)
+    rows, _ = compare(open_llm(path, Dense(), flash_attn=False), LlamaReference(model), n_decode=0)
+    assert rows.max() <= TOL_EXACT["tiny-gemma3"]
+    other = LlamaReference(load_model(src)).forward(tokens(N_PROMPT))  # the pattern 2 layout
+    assert rel(LlamaReference(model).forward(tokens(N_PROMPT)), other) > 0.05
