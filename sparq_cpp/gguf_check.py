@@ -43,7 +43,9 @@ class GGUFSummary:
 
     @property
     def head_dim(self) -> int:
-        return self.key_length if self.key_length else self.n_embd // self.n_head
+        if self.key_length:
+            return self.key_length
+        return self.n_embd // self.n_head if self.n_head else 0  # 0: no attention heads (recurrent models)
 
 
 # llama.cpp keeps per-layer settings in arrays of LLAMA_MAX_LAYERS and asserts (aborts) above it.

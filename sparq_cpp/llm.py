@@ -104,14 +104,14 @@ def _llama_class():
 
             attention = attention or Dense()
             summary = check_gguf(model_path)
+            sparse = not isinstance(attention, Dense)
+            if sparse:  # before the head size: a model may have no attention heads at all
+                check_sparse(summary, display_name(attention))
             attention.check(summary.head_dim)
             if cache_type not in CACHE_TYPES:
                 raise SparqError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
             kwargs.setdefault("verbose", False)
             kwargs.update(type_k=CACHE_TYPES[cache_type], type_v=CACHE_TYPES[cache_type])
-            sparse = not isinstance(attention, Dense)
-            if sparse:
-                check_sparse(summary, display_name(attention))
             if isinstance(attention, Loki):
                 check_loki_projection(attention, model_path)
             if sparse:

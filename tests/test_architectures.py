@@ -561,3 +561,21 @@ def test_gemma3_window_layers_as_per_layer_flags(models, tmp_path):
     assert rows.max() <= TOL_EXACT["tiny-gemma3"]
     other = LlamaReference(load_model(src)).forward(tokens(N_PROMPT))  # the pattern 2 layout
     assert rel(LlamaReference(model).forward(tokens(N_PROMPT)), other) > 0.05
+
+
+def test_recurrent_models_without_attention_heads_pass_the_checks(models, tmp_path):
+    """Mamba-style files have no attention heads (head_count 0) and hybrids give per-layer arrays: the checks
+    leave those to llama.cpp for dense runs, and refuse sparse attention."""
+    from conftest import rewrite_gguf
+
+    src, _ = models("tiny")
+    mamba = rewrite_gguf(retag_gguf(src, tmp_path / "m0.gguf", "mamba"), tmp_path / "m.gguf",
+                         {"mamba.attention.head_count": 0, "mamba.attention.head_count_kv": 0})
+    s = check_gguf(mamba)
+    assert (s.n_head, s.n_head_kv) == (0, 0) and "recurrent" in s.sparse_refusal
+    with pytest.raises(SparqError, match="SparQ cannot run on this model: mamba is a recurrent"):
+        Llama(mamba, SparQ())
+    # the same head counts on an attention model are still refused by the checks
+    bad = rewrite_gguf(src, tmp_path / "bad.gguf", {"llama.attention.head_count": 0})
+    with pytest.raises(SparqError, match="head_count must be >= 1"):
+        check_gguf(bad)
