@@ -7,6 +7,9 @@ Tensors (f32, never quantized: llama-quantize only touches names ending in "weig
 numpy shape is ggml ne reversed, so a head's matrix is ggml [D, D] with row j = column j of P_h;
 ggml_mul_mat(proj, k) computes out[j] = sum_i proj[h, j, i] * k[i] = sum_i P_h[i, j] * k[i],
 i.e. k' = k P_h. Metadata: loki.* keys (below), including the identity of the model they belong to.
+Models with sliding-window layers (gemma3) are calibrated on their full-attention layers only: every
+layer still has its tensors, the window layers' holding the identity and zero variance, and
+loki.calibrated_layers (u32 array) lists the calibrated ones. llama.cpp skips window layers' bases.
 """
 from __future__ import annotations
 
