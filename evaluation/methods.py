@@ -128,8 +128,14 @@ class LlamaSession:
     def rewind(self):
         self.llm.n_tokens = self.n_prefill
 
-    def use(self, params: dict):
-        if self.method != "dense":
+    def use(self, params: dict, method: str | None = None):
+        """Attend with the session's method, or with llama.cpp's dense attention (method "dense") in a
+        SparQ context: its prefill is a dense one, so dense and SparQ share it."""
+        if method == "dense" and self.method != "dense":
+            from sparq_cpp.attention import Dense
+
+            self.llm.set_attention(Dense())
+        elif self.method != "dense":
             self.llm.set_attention(self._attention(params, sparse_rows=True))
 
     def feed(self, tokens) -> np.ndarray:

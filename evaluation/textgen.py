@@ -49,3 +49,17 @@ def kv_pairs_file(n: int = 2000, seed: int = 0) -> str:
     def uid():
         return str(uuid.UUID(bytes=rng.bytes(16), version=4))
     return "".join(f"{uid()}\t{uid()}\n" for _ in range(n))
+
+
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def passkey_file(key: str = "71432", repeats: int = 400) -> str:
+    """Passkey retrieval (Mohtashami and Jaggi, 2023) in the needle task's file format: the key in a
+    haystack of one repeated filler paragraph (~22 tokens per repeat for a BPE vocabulary; 400
+    repeats hold 8k tokens). Nothing in the haystack hints at the key."""
+    return (f"needle: The pass key is {key}. Remember it. {key} is the pass key.\n"
+            "question: What is the pass key?\n"
+            f"answer: {key}\n"
+            "answer_prefix: The pass key is\n"
+            "---\n" + " ".join([PASSKEY_FILLER] * repeats) + "\n")

@@ -111,6 +111,19 @@ def test_sweep_hits_targets_on_the_reference(models):
     assert got[("exact-topk", 0.25)]["ratio"] > 0.5  # reads all of K: never below 1/2
 
 
+def test_dense_in_the_sparq_context_equals_a_dense_context(models):
+    """With sparq among the methods, llama.cpp's dense runs use the SparQ context's (dense) prefill
+    and dense attention: the same scores and tokens, to the bit, as a context of their own."""
+    cfg = dict(tasks_=("bpc", "repetition"), ratios="1,1/4")
+    alone = by_key(run(small(models["tiny-gqa"], "dense", **cfg), log=lambda s: None)["records"])
+    shared = by_key(run(small(models["tiny-gqa"], "dense,sparq", **cfg), log=lambda s: None)["records"])
+    assert alone and all(k[2] == "dense" for k in alone)
+    for k, r in alone.items():
+        assert shared[k]["score"] == r["score"] and shared[k].get("output_tokens") == r.get("output_tokens"), k
+    assert runner._session_key(MethodSpec("dense", "llama"), True) == ("llama", "sparq")
+    assert runner._session_key(MethodSpec("dense", "llama"), False) == ("llama", "dense")
+
+
 # ---------------------------------------------------------------- sweep, tasks, results
 
 def test_sweep_settings_follow_spec_formulas():
