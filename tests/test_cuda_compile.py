@@ -28,12 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from sparq_cpp.pyext.patchtree import apply_series, series, series_hash
-from sparq_cpp.pyext.upstream import cache_root, fetch_sdist, unpack_sdist
+from cuda_sources import KERNEL, patched_tree
+from sparq_cpp.pyext.upstream import cache_root
 
 ARCHS = ("80", "90")
 # the new kernel, and the backend file whose dispatch and supports_op call it
-SOURCES = ("ggml/src/ggml-cuda/sparq-attn.cu", "ggml/src/ggml-cuda/ggml-cuda.cu")
+SOURCES = (KERNEL, "ggml/src/ggml-cuda/ggml-cuda.cu")
 # cuBLAS wheels whose headers match a CUDA major version
 CUBLAS_WHEEL = {13: "nvidia-cublas==13.0.2.14", 12: "nvidia-cublas-cu12==12.9.3.13"}
 
@@ -96,22 +96,6 @@ def _cublas_include(nvcc: Path, major: int) -> Path | str:
     return inc if inc else f"{pkg} has no cublas_v2.h"
 
 
-def _installed_tree() -> Path | None:
-    """The installed build's patched llama.cpp, if it was built from the current series."""
-    try:
-        from sparq_cpp.pyext.build import installed_build
-    except ImportError:
-        return None
-    rec = installed_build()
-    if not rec or rec.get("series_hash") != series_hash():
-        return None
-    for top in (Path(rec["root"]) / "src").glob("*"):
-        llama = top / "vendor" / "llama.cpp"
-        if (llama / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").is_file():
-            return llama
-    return None
-
-
 @pytest.fixture(scope="module")
 def toolchain():
     nvcc = _nvcc()
@@ -130,15 +114,7 @@ def toolchain():
 
 @pytest.fixture(scope="module")
 def llama_tree(tmp_path_factory):
-    env = os.environ.get("SPARQ_CUDA_COMPILE_TREE")
-    if env:
-        return Path(env)
-    tree = _installed_tree()
-    if tree is None:
-        top = unpack_sdist(fetch_sdist(log=lambda *_: None), tmp_path_factory.mktemp("sdist"))
-        tree = top / "vendor" / "llama.cpp"
-        apply_series(tree, series())
-    return tree
+    return patched_tree(tmp_path_factory.mktemp("sdist"))
 
 
 def _compile_cmd(nvcc: Path, inc: Path, tree: Path, src: str, out: Path) -> list[str]:
