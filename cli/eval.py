@@ -60,7 +60,7 @@ def _data(items):
               help="Read a task's samples from this file (formats: `sparq-cpp eval --help-formats`); "
                    "default: generated data.")
 @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
-              help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite "
+              help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite, alisa "
                    "(reference); METHOD@ref or METHOD@llama picks the backend.")
 @click.option("--ratios", default="1,1/2,1/4,1/8,1/16", show_default=True,
               help="Target compression ratios (attention data read / dense, docs/spec.md).")
