@@ -23,6 +23,10 @@ formulas say. (The paper's H2O code keeps ``k + 1``, calling the current token "
   indexed by cache cell: one sequence whose cache only grows, until ``reset()``. (Scores only grow,
   so a later decode step could not rank an evicted cell back in anyway; the eviction record keeps
   dead cells out of later dense batches too.)
+- SWAAttention: ALISA's Sparse Window Attention (Algorithm 1), the k = floor(n*c/2) most recent
+  positions plus the k others with the largest attention weights of the last k steps; its class
+  docstring gives the reading of the algorithm, the seeding from the prompt and the head grouping.
+  ``RecordPrompt`` lets it record a prompt beside H2O's in one dense prefill.
 - ExactTopKAttention (FlexGen-style exact top-k) is reference/attention.py's, unchanged.
 - DensePrompt(method): prompt batches dense (or the method's own ``prompt_call``), later calls
   by the method: how the evaluation runs every sparse method, matching llama.cpp's default of dense
