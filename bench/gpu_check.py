@@ -7,7 +7,8 @@ machine needs, with no network:
   llama-trimmed.tar.gz  the patched llama.cpp of the current series, trimmed to ggml (CPU and CUDA backends) and
                         tests/test-backend-ops.cpp, with a small CMakeLists.txt that builds only test-backend-ops
   run.sh                `run.sh build` configures and builds it with CUDA for the GPU present (CMake, nvcc and a
-                        C++ compiler needed); `run.sh test` runs `test-backend-ops -o SPARQ_ATTN -b CUDA0` (every
+                        C++ compiler needed) in `<bundle>-work` beside the bundle (so that a fresh copy of the
+                        bundle, as a device run carries it, keeps the build); `run.sh test` runs `test-backend-ops -o SPARQ_ATTN -b CUDA0` (every
                         SparQ and Loki case against the CPU backend, planted inputs); `run.sh bench` times the op
                         (`test-backend-ops perf -o SPARQ_ATTN`, the decode shapes at 4k-32k cells) beside flash
                         attention. Logs go to $OUT if it is set, else to the bundle's folder.
@@ -18,6 +19,8 @@ applied.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import shutil
 import tarfile
 import tempfile
@@ -55,8 +58,10 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 LOGS="${OUT:-$HERE}"
 mkdir -p "$LOGS"
-SRC="$HERE/src"
-BUILD="$HERE/build"
+# the sources and the build live beside the bundle, not in it: a new copy of the bundle keeps the build
+WORK="${GPU_CHECK_WORK:-$HERE-work}"
+SRC="$WORK/src"
+BUILD="$WORK/build"
 TBO="$BUILD/bin/test-backend-ops"
 
 build() {
@@ -64,7 +69,10 @@ build() {
     command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "nvcc not found"; exit 2; }
     command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
     nvidia-smi -L || true
-    [ -d "$SRC" ] || { mkdir -p "$SRC" && tar xzf "$HERE/llama-trimmed.tar.gz" -C "$SRC"; }
+    # unpacked again when the bundle is of another series or tree
+    if ! cmp -s "$HERE/SERIES" "$WORK/SERIES"; then
+        rm -rf "$SRC" && mkdir -p "$SRC" && tar xzf "$HERE/llama-trimmed.tar.gz" -C "$SRC" && cp "$HERE/SERIES" "$WORK/SERIES"
+    fi
     gen=()
     command -v ninja >/dev/null && gen=(-G Ninja)
     cmake -S "$SRC" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
@@ -139,12 +147,12 @@ def make_bundle(tree: Path, out: Path) -> Path:
         data = CMAKELISTS.encode()
         info = tarfile.TarInfo("CMakeLists.txt")
         info.size = len(data)
-        import io
         tar.addfile(info, io.BytesIO(data))
     run = out / "run.sh"
     run.write_text(RUN_SH)
     run.chmod(0o755)
-    (out / "SERIES").write_text(f"series_hash {series_hash()}\n" + "".join(p.name + "\n" for p in series()))
+    digest = hashlib.sha256((out / "llama-trimmed.tar.gz").read_bytes()).hexdigest()
+    (out / "SERIES").write_text(f"series_hash {series_hash()}\ntree_tar_sha256 {digest}\n" + "".join(p.name + "\n" for p in series()))
     return out
 
 
