@@ -34,6 +34,8 @@
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+#define __CUDA_ARCH__ 900 // the code paths of current GPUs
+#define GGML_CUDA_CC_VOLTA 700
 #define WARP_SIZE 32
 #define CUDA_CHECK(x) (void) (x)
 
@@ -116,6 +118,18 @@ template <typename T> inline T __shfl_up_sync(unsigned, T v, int off, int width 
     const int lane = threadIdx.x % 32;
     (void) width;
     return emu_from_lane(v, lane >= off ? lane - off : lane);
+}
+// the lanes whose value equals this lane's
+inline unsigned __match_any_sync(unsigned, int v) {
+    const int tid = threadIdx.x;
+    g_blk->slot[tid] = (uint64_t) (uint32_t) v;
+    __syncwarp();
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l) {
+        r |= (g_blk->slot[(tid & ~31) + l] == (uint64_t) (uint32_t) v ? 1u : 0u) << l;
+    }
+    __syncwarp();
+    return r;
 }
 inline unsigned __ballot_sync(unsigned, int pred) {
     const int tid = threadIdx.x;
