@@ -1,6 +1,6 @@
 """A bundle for checking the sparse attention op's CUDA kernel on a machine with a GPU (`make gpu-check`).
 
-The CUDA kernel of GGML_OP_SPARQ_ATTN is compiled in CI (tests/test_cuda_compile.py) but can only be run where
+The CUDA kernel of GGML_OP_SPARSE_ATTN is compiled in CI (tests/test_cuda_compile.py) but can only be run where
 there is a GPU. This writes a self-contained folder (default `.sparq-build/gpu-check`, a few MiB) that such a
 machine needs, with no network:
 
@@ -8,9 +8,9 @@ machine needs, with no network:
                         tests/test-backend-ops.cpp, with a small CMakeLists.txt that builds only test-backend-ops
   run.sh                `run.sh build` configures and builds it with CUDA for the GPU present (CMake, nvcc and a
                         C++ compiler needed) in `<bundle>-work` beside the bundle (so that a fresh copy of the
-                        bundle, as a device run carries it, keeps the build); `run.sh test` runs `test-backend-ops -o SPARQ_ATTN -b CUDA0` (every
+                        bundle, as a device run carries it, keeps the build); `run.sh test` runs `test-backend-ops -o SPARSE_ATTN -b CUDA0` (every
                         SparQ and Loki case against the CPU backend, planted inputs); `run.sh bench` times the op
-                        (`test-backend-ops perf -o SPARQ_ATTN`, the decode shapes at 4k-32k cells) beside flash
+                        (`test-backend-ops perf -o SPARSE_ATTN`, the decode shapes at 4k-32k cells) beside flash
                         attention. Logs go to $OUT if it is set, else to the bundle's folder.
 
 The patched tree is taken as tests/test_cuda_compile.py takes it: `--tree DIR` (a `make tree` checkout), else the
@@ -49,10 +49,10 @@ target_compile_features(test-backend-ops PRIVATE cxx_std_17)
 """
 
 RUN_SH = r"""#!/usr/bin/env bash
-# sparq-cpp GPU check: build test-backend-ops with CUDA, check SPARQ_ATTN (SparQ and Loki) against the CPU, time it.
+# sparq-cpp GPU check: build test-backend-ops with CUDA, check SPARSE_ATTN (SparQ and Loki) against the CPU, time it.
 #   run.sh build   configure and build (CMAKE_CUDA_ARCHITECTURES=native unless CUDA_ARCH is set; JOBS=nproc)
-#   run.sh test    test-backend-ops -o SPARQ_ATTN -b CUDA0
-#   run.sh bench   test-backend-ops perf for SPARQ_ATTN and FLASH_ATTN_EXT on CUDA0
+#   run.sh test    test-backend-ops -o SPARSE_ATTN -b CUDA0
+#   run.sh bench   test-backend-ops perf for SPARSE_ATTN and FLASH_ATTN_EXT on CUDA0
 #   run.sh all     the three
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -84,15 +84,15 @@ build() {
 
 run_test() {
     test -x "$TBO" || { echo "not built: run.sh build first"; exit 2; }
-    "$TBO" -o SPARQ_ATTN -b CUDA0 2>&1 | tee "$LOGS/test-sparq-attn.log"
+    "$TBO" -o SPARSE_ATTN -b CUDA0 2>&1 | tee "$LOGS/test-sparse-attn.log"
     # test-backend-ops exits non-zero when a case fails; a case CUDA refuses (supports_op) is reported as not supported
-    grep -c "not supported" "$LOGS/test-sparq-attn.log" | sed 's/^/cases not supported by CUDA0: /' || true
+    grep -c "not supported" "$LOGS/test-sparse-attn.log" | sed 's/^/cases not supported by CUDA0: /' || true
 }
 
 run_bench() {
     test -x "$TBO" || { echo "not built: run.sh build first"; exit 2; }
-    "$TBO" perf -o SPARQ_ATTN -b CUDA0 2>&1 | tee "$LOGS/perf-sparq-attn.log"
-    # dense flash attention at the decode shapes of the SPARQ_ATTN perf cases
+    "$TBO" perf -o SPARSE_ATTN -b CUDA0 2>&1 | tee "$LOGS/perf-sparse-attn.log"
+    # dense flash attention at the decode shapes of the SPARSE_ATTN perf cases
     "$TBO" perf -o FLASH_ATTN_EXT -b CUDA0 -p 'hsk=128,hsv=128,nh=(32|8),nr23=\[(1|4),1\],kv=(4096|16384|32768),nb=1,' \
         2>&1 | tee "$LOGS/perf-flash-attn.log"
 }
@@ -133,8 +133,8 @@ def _keep(path: Path, tree: Path) -> bool:
 
 
 def make_bundle(tree: Path, out: Path) -> Path:
-    if not (tree / "ggml" / "src" / "ggml-cuda" / "sparq-attn.cu").is_file():
-        raise click.ClickException(f"{tree} has no ggml/src/ggml-cuda/sparq-attn.cu: the series has no CUDA kernel yet")
+    if not (tree / "ggml" / "src" / "ggml-cuda" / "sparse-attn.cu").is_file():
+        raise click.ClickException(f"{tree} has no ggml/src/ggml-cuda/sparse-attn.cu: the series has no CUDA kernel yet")
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 from sparq_cpp.pyext.patchtree import apply_series, series, series_hash
 from sparq_cpp.pyext.upstream import fetch_sdist, unpack_sdist
 
-KERNEL = "ggml/src/ggml-cuda/sparq-attn.cu"
+KERNEL = "ggml/src/ggml-cuda/sparse-attn.cu"
 
 # trees unpacked in this test session, by series hash
 _UNPACKED: dict[str, Path] = {}

@@ -1,7 +1,7 @@
 """The CUDA sources of the sparse attention op compile with nvcc for sm_80 and sm_90.
 
 A compile check only: nothing here needs or uses a GPU, and a kernel that compiles is not a kernel that was run
-(`test-backend-ops -o SPARQ_ATTN -b CUDA0` on a CUDA build checks the results against the CPU).
+(`test-backend-ops -o SPARSE_ATTN -b CUDA0` on a CUDA build checks the results against the CPU).
 
 The files are those of the patched tree that the current patch series gives: the tree unpacked by the installed
 build when it was built from this series, otherwise a fresh unpack of the pinned sdist with the series applied

@@ -1,6 +1,6 @@
 """The CUDA kernel of the sparse attention op, its source executed on the CPU, against the CPU op.
 
-No GPU: tests/cuda_emu/transform.py turns ggml-cuda/sparq-attn.cu of the current series into host C++ (only the
+No GPU: tests/cuda_emu/transform.py turns ggml-cuda/sparse-attn.cu of the current series into host C++ (only the
 include, shared memory declarations and kernel launches change), tests/cuda_emu/emu.h emulates the CUDA thread model
 (fibers, barriers, warp shuffles and ballots, the scratch pool; see its header for what it cannot show), and
 tests/cuda_emu/emu_main.cpp runs the kernels on the cases of test-backend-ops and on the model's cache layout,
@@ -9,7 +9,7 @@ test-backend-ops's 5e-4, every value finite, all scratch returned).
 
 This checks the kernels' logic: indexing, the selection (radix select, ties, the local window), the split exact
 attention, the mean value, the barriers. It does not check that they run on a GPU, nor their speed: that is
-`test-backend-ops -o SPARQ_ATTN -b CUDA0` on a CUDA build (`make gpu-check`).
+`test-backend-ops -o SPARSE_ATTN -b CUDA0` on a CUDA build (`make gpu-check`).
 
 The fast tier runs a subset (about a minute), the slow tier every case, and every case again with the scratch
 bound so low that the rows go through the kernels in several groups.
@@ -32,7 +32,7 @@ from transform import transform  # noqa: E402
 
 
 def _build(tree: Path, lib: Path, out_dir: Path, name: str, extra: tuple[str, ...] = ()) -> Path:
-    (out_dir / "sparq-attn-emu.inc").write_text(transform((tree / KERNEL).read_text()))
+    (out_dir / "sparse-attn-emu.inc").write_text(transform((tree / KERNEL).read_text()))
     exe = out_dir / name
     cmd = ["g++", "-std=c++20", "-O1", "-U_FORTIFY_SOURCE", "-Wno-unknown-pragmas", *extra,
            f"-I{out_dir}", f"-I{HERE}", f"-I{tree / 'ggml' / 'include'}", f"-I{tree / 'ggml' / 'src'}",
@@ -83,5 +83,5 @@ def test_cuda_kernel_emulated_all(emu_setup, what):
 def test_cuda_kernel_emulated_row_groups(emu_setup):
     """Scratch bounded to 150 kB: the query rows go through the kernels in groups of one or a few."""
     tree, lib, tmp = emu_setup
-    exe = _build(tree, lib, tmp, "emu_main_rows", ("-DSPARQ_ATTN_SCRATCH_ROWS_BYTES=150000",))
+    exe = _build(tree, lib, tmp, "emu_main_rows", ("-DSPARSE_ATTN_SCRATCH_ROWS_BYTES=150000",))
     _run(exe, "quick", timeout=1800)

@@ -1,4 +1,4 @@
-// A CPU emulation of the CUDA execution model, just enough for ggml-cuda/sparq-attn.cu (tests/test_cuda_emulated.py):
+// A CPU emulation of the CUDA execution model, just enough for ggml-cuda/sparse-attn.cu (tests/test_cuda_emulated.py):
 // every CUDA thread of a block is a fiber (started with ucontext, switched with _setjmp/_longjmp) in one OS thread, blocks run one after another, __syncthreads
 // and __syncwarp are barriers (a block barrier opens when every thread that has not exited waits at it), warp
 // shuffles and ballots exchange values through a per-block buffer between two warp barriers, and between barriers

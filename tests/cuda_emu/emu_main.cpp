@@ -1,16 +1,16 @@
-// Runs ggml-cuda/sparq-attn.cu, made host code by transform.py and emu.h, against ggml's CPU SPARQ_ATTN op: the
+// Runs ggml-cuda/sparse-attn.cu, made host code by transform.py and emu.h, against ggml's CPU SPARSE_ATTN op: the
 // shapes of test-backend-ops with its planted inputs (the generator is copied from there) and with uniform random
 // inputs, and the model's layout. A case passes with a normalized mean squared error within test-backend-ops's 5e-4,
 // no value that is not finite, and all scratch returned.
-#include "sparq-attn-emu.inc"
+#include "sparse-attn-emu.inc"
 #include "ggml-cpu.h"
 #include <random>
 #include <string>
 
-struct sparq_attn_test_data { std::vector<int32_t> pos; std::vector<float> mask; };
+struct sparse_attn_test_data { std::vector<int32_t> pos; std::vector<float> mask; };
 
-static sparq_attn_test_data init_pos_mask(int64_t kv, int64_t nb, int n_seq, int swa, std::mt19937 & gen) {
-    sparq_attn_test_data td;
+static sparse_attn_test_data init_pos_mask(int64_t kv, int64_t nb, int n_seq, int swa, std::mt19937 & gen) {
+    sparse_attn_test_data td;
     td.pos.resize(kv);
     for (int64_t i = 0; i < kv; ++i) td.pos[i] = (int32_t) i;
     std::shuffle(td.pos.begin(), td.pos.end(), gen);
@@ -100,7 +100,7 @@ static bool run(const tcase & c, bool planted, unsigned seed) {
                                : ggml_sparq_attn(ctx, q, k, kt, v, m, p, vm, scale, c.r, c.top_k, c.n_local, c.mv);
 
     std::mt19937 gen(seed);
-    sparq_attn_test_data td = init_pos_mask(c.kv, c.nb, c.n_seq, c.swa, gen);
+    sparse_attn_test_data td = init_pos_mask(c.kv, c.nb, c.n_seq, c.swa, gen);
     if (planted) init_qk_planted(q, k, ktsrc, c.hs, c.nh, c.nr, c.kv, c.nb, c.r, c.loki, gen);
     else { init_uniform(q, gen); init_uniform(k, gen); if (ktsrc) init_uniform(ktsrc, gen); }
     init_uniform(v, gen);
@@ -117,14 +117,14 @@ static bool run(const tcase & c, bool planted, unsigned seed) {
     snprintf(name, sizeof(name), "%s hs=%lld nh=%lld nr=%lld kv=%lld nb=%lld r=%d top_k=%d n_local=%d mv=%d vmean=%d %s n_seq=%d swa=%d %s",
         c.loki ? "loki " : "sparq", (long long) c.hs, (long long) c.nh, (long long) c.nr, (long long) c.kv, (long long) c.nb, c.r, c.top_k,
         c.n_local, c.mv, c.vmean, ggml_type_name(c.type), c.n_seq, c.swa, planted ? "planted" : "uniform");
-    if (!ggml_cuda_sparq_attn_supported(0, out)) {
+    if (!ggml_cuda_sparse_attn_supported(0, out)) {
         printf("NOT SUPPORTED %s\n", name);
         ggml_free(ctx);
         return true;
     }
     memset(out->data, 0xFF, ggml_nbytes(out));
     ggml_backend_cuda_context cctx;
-    ggml_cuda_sparq_attn(cctx, out);
+    ggml_cuda_sparse_attn(cctx, out);
     const float * y = (const float *) out->data;
     double num = 0, den = 0, maxd = 0;
     int n_nan = 0;
@@ -184,10 +184,10 @@ static bool run_layout(bool loki, ggml_type type, bool vmean_t, unsigned seed) {
     ggml_build_forward_expand(gf, out);
     ggml_graph_compute_with_ctx(ctx, gf, 2);
     std::vector<float> ref((float *) out->data, (float *) out->data + ggml_nelements(out));
-    if (!ggml_cuda_sparq_attn_supported(0, out)) { printf("NOT SUPPORTED layout\n"); return false; }
+    if (!ggml_cuda_sparse_attn_supported(0, out)) { printf("NOT SUPPORTED layout\n"); return false; }
     memset(out->data, 0xFF, ggml_nbytes(out));
     ggml_backend_cuda_context cctx;
-    ggml_cuda_sparq_attn(cctx, out);
+    ggml_cuda_sparse_attn(cctx, out);
     const float * y = (const float *) out->data;
     double num = 0, den = 0; int n_nan = 0;
     for (size_t i = 0; i < ref.size(); ++i) {

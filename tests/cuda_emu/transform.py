@@ -1,5 +1,5 @@
-"""ggml-cuda/sparq-attn.cu as host C++ for emu.h: the include, dynamic and static shared memory, kernel launches.
-Nothing else of the source changes. `python transform.py sparq-attn.cu out.inc`"""
+"""ggml-cuda/sparse-attn.cu as host C++ for emu.h: the include, dynamic and static shared memory, kernel launches.
+Nothing else of the source changes. `python transform.py sparse-attn.cu out.inc`"""
 from __future__ import annotations
 
 import re
@@ -7,7 +7,7 @@ import sys
 
 
 def transform(src: str) -> str:
-    s = src.replace('#include "sparq-attn.cuh"', '#include "emu.h"').replace('#include "fattn-common.cuh"', '')
+    s = src.replace('#include "sparse-attn.cuh"', '#include "emu.h"').replace('#include "fattn-common.cuh"', '')
     s = re.sub(r'extern __shared__ float (\w+)\[\];', r'float * \1 = (float *) emu_dyn_smem;', s)
     s = s.replace('__shared__', 'static')  # one block at a time: a function's statics are its block's shared memory
     n = s.count('<<<')
