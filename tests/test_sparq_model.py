@@ -216,3 +216,52 @@ def test_llama_is_a_class(models):
     assert issubclass(Llama, llama_cpp.Llama) and Llama.__qualname__ == "Llama"
     llm = open_llm(models["tiny"], SparQ(r=8, k=16))
     assert isinstance(llm, Llama) and isinstance(llm, llama_cpp.Llama)
+
+
+def _gemma2_from_gemma3(src, dst):
+    """A loadable gemma2 file (soft-capped attention logits): tiny-gemma3's tensors without the q/k norms and the
+    output head (gemma2 ties it to the embedding)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, "gemma2")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name.startswith("gemma3.rope.freq_base_swa"):
+            continue
+        new = "gemma2" + name[len("gemma3"):] if name.startswith("gemma3.") else name
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(new, field.contents(), field.types[0], sub_type=sub_type)
+    w.add_float32("gemma2.attn_logit_softcapping", 50.0)
+    w.add_float32("gemma2.final_logit_softcapping", 30.0)
+    for t in reader.tensors:
+        if not t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")) and t.name != "output.weight":  # tied in gemma2
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_soft_capped_model_is_refused_by_the_stock_tool_and_the_cli(tmp_path):
+    """A gemma2 model (soft-capped logits) runs dense in the stock tool, and sparse attention is refused by
+    name there and in sparq-cpp, with one clear error each."""
+    import os
+    import subprocess
+
+    from stock_tool import assert_refused
+
+    from sparq_cpp.pyext.build import tool_path
+
+    src = write_model(tmp_path / "tiny-gemma3.gguf", "tiny-gemma3", wtype="f16", seed=0)
+    path = _gemma2_from_gemma3(src, tmp_path / "tiny-gemma2.gguf")
+    args = [tool_path("llama-completion"), "-m", path, "-p", "hello", "-n", "4", "-fa", "on", "-no-cnv", "-c", "256",
+            "-t", "1", "--temp", "0"]
+    dense = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=120,
+                           stdin=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "LLAMA_SPARSE_ATTN"})
+    assert dense.returncode == 0, dense.stderr[-2000:]
+    assert_refused(args, {"LLAMA_SPARSE_ATTN": "sparq:r=16,k=32"}, "soft-capping")
+    proc = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "sparq-cpp"), "generate", "--gguf", str(path),
+                           "-n", "2", "--r", "16", "--k", "32"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "soft-caps its attention logits" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
