@@ -83,7 +83,9 @@ def test_h2o_and_lm_infinite_lose_retrieval_at_2k(model, data):
     """The reference runs H2O and LM-Infinite (numpy/Numba: 2k tokens, not 8k, in the time a test
     has); dense and SparQ run in llama.cpp on the same prompts. The needle only: at 2k this model
     misses the passkey with dense attention too (docs/accuracy.md). H2O and LM-Infinite evict what
-    they have not kept, so a needle inside the window is gone: each finds at least 2 fewer of the 3."""
+    they have not kept, so a needle inside the window is gone: each finds at least 2 fewer of the 3.
+    On the runs in docs/accuracy.md dense misses the needle at depth 0.5 at 2k, so this fails there:
+    the model cannot show the claim at 2k, and the check is left as the claim."""
     recs = _run(model, "dense,sparq,h2o,lm-infinite", "needle", data["needle"], lengths=(2000,), depths=DEPTHS)
     found = {m: sum(_scores(recs, m).values()) for m in ("dense", "sparq", "h2o", "lm-infinite")}
     assert found["dense"] == len(DEPTHS), found
