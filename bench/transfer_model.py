@@ -30,10 +30,11 @@ class ModelShape:
     n_ctx_train: int
     weight_bytes: int  # the whole file's tensors (all resident while decoding)
     weight_bytes_per_token: int  # what one decode step reads
+    key_length: int | None = None  # the head size where the model sets it (qwen3, gemma3: not n_embd / n_head)
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length if self.key_length else self.n_embd // self.n_head
 
     @property
     def n_embd_kv(self) -> int:
@@ -61,7 +62,7 @@ def shape_from_gguf(path) -> ModelShape:
     n_ff = _field(reader, f"{s.arch}.feed_forward_length")
     return ModelShape(n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_head_kv=s.n_head_kv,
                       n_ff=int(n_ff) if n_ff is not None else 0, n_vocab=s.n_vocab, n_ctx_train=s.n_ctx_train,
-                      weight_bytes=total, weight_bytes_per_token=per_token)
+                      weight_bytes=total, weight_bytes_per_token=per_token, key_length=s.key_length)
 
 
 def shape_from_geometry(geo, wtype: str) -> ModelShape:
@@ -74,7 +75,7 @@ def shape_from_geometry(geo, wtype: str) -> ModelShape:
     total = geo.n_layer * per_layer + 2 * emb + E * 4
     per_token = total - emb + E * bpe
     return ModelShape(geo.n_layer, E, geo.n_head, geo.n_head_kv, geo.n_ff, geo.n_vocab, geo.n_ctx_train,
-                      int(total), int(per_token))
+                      int(total), int(per_token), key_length=geo.key_length)
 
 
 def kv_bytes_per_head(kind: str, n: int, D: int, cache_type: str, *, r: int = 16, k: int = 128,

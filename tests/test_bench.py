@@ -434,3 +434,14 @@ def test_bench_compare(tmp_path):
             load(path)
     with pytest.raises(SparqError, match="no \\(S, mode\\)"):
         compare(a, doc({(8192, "sparq"): 3.0}))
+
+
+def test_model_shape_takes_the_head_size_the_model_sets(tmp_path):
+    """qwen3 and gemma3 set their head size (key_length) apart from n_embd / n_head: the KV bytes follow it."""
+    from sparq_cpp.modelfactory import resolve_geometry, write_model
+
+    for preset in ("tiny-qwen3", "tiny-gemma3"):
+        geo = resolve_geometry(preset)
+        assert geo.head_dim != geo.n_embd // geo.n_head
+        path = write_model(tmp_path / f"{preset}.gguf", preset)
+        assert shape_from_gguf(path).head_dim == geo.head_dim == shape_from_geometry(geo, "f32").head_dim
