@@ -523,20 +523,14 @@ def test_make_model_cli_writes_the_families(tmp_path):
 def test_serve_gemma3_sparse_with_slot_save_restore(models, tmp_path):
     """llama-server with SparQ on gemma3 (sparse full layers, dense window layers): /props reports it, and a
     slot saved and restored continues exactly as before (the iSWA cache's K^T copy and V sums come back)."""
-    from test_serve import Server
+    from test_serve import Server, assert_slot_restore_continues
 
     path, _ = models("tiny-gemma3")
     s = Server(path, "--r", "8", "--k", "16", "--l", "4", tmp_path=tmp_path)
     try:
         assert s.get("/props")["sparse_attn"]["mode"] == "sparq"
         prompt = "It was the best of times, it was the worst of times, it was the age of wisdom"
-        first = s.complete(prompt, n=12, id_slot=0, cache_prompt=True)
-        assert s.post("/slots/0?action=save", {"filename": "g3.bin"})["n_saved"] > 0
-        cont = {"id_slot": 0, "cache_prompt": True}
-        want = s.complete(prompt + first, n=12, **cont)
-        s.post("/slots/0?action=erase", {})
-        assert s.post("/slots/0?action=restore", {"filename": "g3.bin"})["n_restored"] > 0
-        assert s.complete(prompt + first, n=12, **cont) == want
+        assert_slot_restore_continues(s, prompt, 12, "g3.bin")
     finally:
         s.close()
 

@@ -136,15 +136,19 @@ def test_several_slots_at_once(sparq_server):
     assert [r["usage"]["completion_tokens"] for r in res] == [12] * len(PROMPTS)
 
 
-def test_slot_save_restore_continues_exactly(sparq_server):
-    prompt = "It was the best of times, it was the worst of times"
-    first = sparq_server.complete(prompt, n=16, id_slot=0, cache_prompt=True)
-    assert sparq_server.post("/slots/0?action=save", {"filename": "slot0.bin"})["n_saved"] > 0
+def assert_slot_restore_continues(server, prompt, n, filename):
+    """Slot 0 saved after `prompt`, then erased and restored: it continues with the tokens it gave before."""
+    first = server.complete(prompt, n=n, id_slot=0, cache_prompt=True)
+    assert server.post("/slots/0?action=save", {"filename": filename})["n_saved"] > 0
     cont = {"id_slot": 0, "cache_prompt": True}
-    want = sparq_server.complete(prompt + first, n=16, **cont)
-    sparq_server.post("/slots/0?action=erase", {})
-    assert sparq_server.post("/slots/0?action=restore", {"filename": "slot0.bin"})["n_restored"] > 0
-    assert sparq_server.complete(prompt + first, n=16, **cont) == want
+    want = server.complete(prompt + first, n=n, **cont)
+    server.post("/slots/0?action=erase", {})
+    assert server.post("/slots/0?action=restore", {"filename": filename})["n_restored"] > 0
+    assert server.complete(prompt + first, n=n, **cont) == want
+
+
+def test_slot_save_restore_continues_exactly(sparq_server):
+    assert_slot_restore_continues(sparq_server, "It was the best of times, it was the worst of times", 16, "slot0.bin")
 
 
 def test_every_position_selected_gives_dense_text(model, tmp_path):
