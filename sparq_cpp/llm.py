@@ -6,7 +6,6 @@ attention of the patch series switched on; `open_model` is the checked way the C
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from sparq_cpp.attention import Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
