@@ -153,7 +153,11 @@ class LlamaSession:
 
 
 class RefSession:
-    """The reference forward pass; one prefill per sample serves every method and setting."""
+    """The reference forward pass; one prefill per sample serves every method and setting. The prompt
+    goes in batches of PREFILL_BATCH tokens (the reference's results do not depend on the batch size),
+    which bounds the memory of an 8k-token prompt."""
+
+    PREFILL_BATCH = 512
 
     def __init__(self, model, *, cache_type: str, loki_projection=None, model_path=None):
         from sparq_cpp.reference.baselines import DensePrompt, H2OAttention
@@ -177,8 +181,8 @@ class RefSession:
             self._alisa.reset()
             self.ref.attention = RecordPrompt(self._prompt, self._alisa)
         self._tokens = list(tokens)
-        if len(tokens):
-            self.ref.forward(list(tokens))
+        for pos in range(0, len(tokens), self.PREFILL_BATCH):  # batches of llama.cpp's size; no logits
+            self.ref.forward(list(tokens[pos: pos + self.PREFILL_BATCH]), logits=False)
         self.n_prefill = self.ref.n_cells
 
     def rewind(self):

@@ -75,6 +75,49 @@ def test_h2o_prompt_is_dense_and_accumulates_weights():
     assert np.allclose(h2o.scores(0), want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["causal-300", "dead-cells-and-chunk", "empty-rows"])
+def test_h2o_blocked_prompt_equals_the_row_loop(case):
+    """The blocked prompt path (h2o_prompt_blocked: matrix products over blocks of rows, a KV head's
+    group at once) against h2o_kernel's row loop: same outputs, scores and selections, on a SmolLM2-like
+    geometry (9 query heads over 3 KV heads of 64), blocks that do not divide the rows, evicted cells
+    left by decode steps before a later prompt batch, and rows that see nothing."""
+    from sparq_cpp.reference import baselines
+
+    n, H, Hkv, D = 300, 9, 3, 64
+    q, k, v = rand_qkv(n, n, n_head=H, n_head_kv=Hkv, D=D, seed=21)
+    mask, pos = causal(n, n)
+    runs = {}
+    for blocked in (True, False):
+        h2o = H2OAttention(40)
+        h2o.blocked_prompt = blocked
+        ys = []
+        if case == "causal-300":
+            ys.append(h2o.prompt_call(q, k, v, mask, pos, SCALE, layer=2))
+            sels = [h2o.last_selection]
+        else:
+            n0 = 200
+            h2o.prompt_call(q[:n0], k[:n0], v[:n0], mask[:n0, :n0], pos[:n0], SCALE, layer=2)
+            for m in range(n0 + 1, n0 + 4):  # decode steps evict down to 40 cells per KV head
+                h2o(q[m - 1: m], k[:m], v[:m], np.ones((1, m), bool), pos[:m], SCALE, layer=2)
+            m0 = n0 + 3
+            rows = mask[m0:].copy()
+            if case == "empty-rows":
+                rows[::7] = False  # a row with no visible cell gives 0 and adds no weight
+            ys.append(h2o.prompt_call(q[m0:], k, v, rows, pos, SCALE, layer=2))
+            sels = [h2o.last_selection]
+        runs[blocked] = (ys, sels, h2o.scores(2), h2o.alive(2))
+    (ya, sa, sca, aa), (yb, sb, scb, ab) = runs[True], runs[False]
+    assert baselines.PROMPT_BLOCK < n  # more than one block
+    for a, b in zip(ya, yb):
+        assert rel(a, b) <= 1e-6
+    for a, b in zip(sa, sb):
+        assert np.array_equal(a, b)
+    assert np.allclose(sca, scb, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(aa, ab)
+    if case != "causal-300":
+        assert (~aa).any()  # the case has dead cells
+
+
 # ---------------------------------------------------------------- LM-Infinite
 
 def test_lm_infinite_picks_first_and_recent_by_position():

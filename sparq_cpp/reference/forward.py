@@ -271,8 +271,9 @@ class LlamaReference:
     def _store(self, a):
         return round_f16(a) if self.cache_type == "f16" else a
 
-    def forward(self, tokens, positions=None, trace=None) -> np.ndarray:
-        """Run tokens through the model, appending their K/V; returns float32 logits [n, n_vocab].
+    def forward(self, tokens, positions=None, trace=None, logits=True) -> np.ndarray | None:
+        """Run tokens through the model, appending their K/V; returns float32 logits [n, n_vocab]
+        (None with ``logits=False``: a prefill that only fills the cache skips the output layer).
 
         ``trace``, a dict, receives the intermediates under llama.cpp's graph names ("attn_norm-0",
         "Qcur-0" (after RoPE), "kqv_out-0", "ffn_out-0" (before the residual), "l_out-0",
@@ -371,10 +372,12 @@ class LlamaReference:
             cb("l_out", x, il)
 
         self.n_cells = n_kv
+        if not logits:
+            return None
         cur = rms_norm(x, m.output_norm, hp.rms_eps)
         cb("result_norm", cur)
-        logits = self._mm(cur, m.output, "output.weight")
+        out = self._mm(cur, m.output, "output.weight")
         if hp.logit_scale:
-            logits = logits * (F32(1.0) / F32(hp.logit_scale))
-        cb("result_output", logits)
-        return logits
+            out = out * (F32(1.0) / F32(hp.logit_scale))
+        cb("result_output", out)
+        return out
