@@ -43,12 +43,12 @@ def test_host_runner_reproduces_the_host_op(tmp_path):
 
 @needs_cross
 def test_kernel_compiles_for_aarch64(tmp_path):
-    """The CPU backend's op sources (the kernel and its dispatch) compile for aarch64 with NEON, fp16 and dot
-    product: a compile error on Arm fails here, without building or running the rest."""
+    """The CPU backend's op sources (the kernel, its dispatch, the tiled transposed copy) compile for aarch64 with
+    NEON, fp16 and dot product: a compile error on Arm fails here, without building or running the rest."""
     build = tmp_path / "aarch64"
     src = orun.llama_source()
     subprocess.run(orun.cross_cmake_args(src, build), check=True, capture_output=True, text=True)
-    objs = ["ggml/src/CMakeFiles/ggml-cpu.dir/ggml-cpu/ops.cpp.o", "ggml/src/CMakeFiles/ggml-cpu.dir/ggml-cpu/ggml-cpu.c.o"]
+    objs = [f"ggml/src/CMakeFiles/ggml-cpu.dir/ggml-cpu/{name}.o" for name in ("sparse-attn.cpp", "ops.cpp", "ggml-cpu.c")]
     proc = subprocess.run(["ninja", "-C", str(build), "-j2", *objs], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 

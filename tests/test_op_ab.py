@@ -33,7 +33,7 @@ def test_variants_alternate_with_their_variables(monkeypatch):
                                           "--passes", "2", "--reps", "2"])
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("cold n_kv 512, 32 kv heads, -:") and "OPAB_X=3:" in lines[1]
+    assert len(lines) == 2 and lines[0].startswith("cold sparq f16 n_kv 512, 32 kv heads, -:") and "OPAB_X=3:" in lines[1]
     assert "to -: 1.000x" in lines[0]
     # two graphs built (one compute each), then per pass and variant: (evict, timed) x reps
     timed = seen[2:]

@@ -29,17 +29,23 @@ from sparq_cpp.pyext import ggml_ops as go
 
 
 def sparq_graph(g: go.Graph, n_kv: int, n_head: int, n_head_kv: int, D: int, r: int, k: int, l: int, layers: int,
-                seed: int, n_threads: int) -> go.Graph:
-    """g filled with an L-layer graph of one-query SparQ ops on random f16 caches, built and computed once."""
+                seed: int, n_threads: int, rank: str = "sparq", kv_type: str = "f16") -> go.Graph:
+    """g filled with an L-layer graph of one-query SparQ (or Loki, r = d) ops on random caches, built and
+    computed once."""
     rng = np.random.default_rng(seed)
     mask = np.ones((1, n_kv), dtype=bool)
     pos = np.arange(n_kv, dtype=np.int32)
     for _ in range(layers):
         q, kk, vv, vm = random_layer(rng, n_kv, n_head, n_head_kv, D)
-        cache = go.KVCache(g, kk, vv, "f16")
+        cache = go.KVCache(g, kk, vv, kv_type, need_kt=rank == "sparq")
         del kk, vv
-        g.output(g.sparq_attn(go.q_tensor(g, q), cache.k, cache.kt, cache.v, go.mask_tensor(g, mask),
-                              g.tensor(pos, "i32"), g.tensor(vm, "f32"), 1.0 / np.sqrt(D), r, k, l, True), q.shape)
+        qt, mt, pt = go.q_tensor(g, q), go.mask_tensor(g, mask), g.tensor(pos, "i32")
+        if rank == "loki":
+            out = g.loki_attn(qt, cache.k, cache.v, mt, pt, 1.0 / np.sqrt(D), r, k, l)
+        else:
+            out = g.sparq_attn(qt, cache.k, cache.kt, cache.v, mt, pt, g.tensor(vm, "f32"), 1.0 / np.sqrt(D),
+                               r, k, l, True)
+        g.output(out, q.shape)
     g.build(n_threads)
     g.compute(n_threads)
     return g
@@ -89,17 +95,23 @@ def _alternate(g, evict, envs, passes, reps, layers, threads) -> list[list[float
 @click.option("--reps", default=20, show_default=True, help="timed computes per variant and pass")
 @click.option("--warm", is_flag=True, help="no evicting compute between the timed ones")
 @click.option("--threads", default=2, show_default=True)
-def main(variants, n_kv, n_head_kv, layers, passes, reps, warm, threads):
+@click.option("--rank", type=click.Choice(["sparq", "loki"]), default="sparq", show_default=True,
+              help="loki: r is d, l the local window")
+@click.option("-r", "r", default=16, show_default=True)
+@click.option("-l", "l", default=32, show_default=True)
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0"]), default="f16", show_default=True)
+def main(variants, n_kv, n_head_kv, layers, passes, reps, warm, threads, rank, r, l, kv_type):
     envs = [parse_variant(v) for v in variants]
     with contextlib.ExitStack() as stack:
-        # the op bench's geometry: 32 query heads of D = 128, r = 16, k = 128, l = 32
+        # the op bench's geometry: 32 query heads of D = 128, k = 128
         graphs = [sparq_graph(stack.enter_context(go.Graph(n_tensors=32 * layers)), n_kv, n_head=32, n_head_kv=n_head_kv,
-                              D=128, r=16, k=128, l=32, layers=layers, seed=seed, n_threads=threads)
+                              D=128, r=r, k=128, l=l, layers=layers, seed=seed, n_threads=threads, rank=rank,
+                              kv_type=kv_type)
                   for seed in ((0,) if warm else (0, 1))]
         times = _alternate(graphs[0], graphs[1] if len(graphs) > 1 else None, envs, passes, reps, layers, threads)
     for v, ts in zip(variants, times):
         ratios = sorted(b / a for a, b in zip(times[0], ts))
-        click.echo(f"{'warm' if warm else 'cold'} n_kv {n_kv}, {n_head_kv} kv heads, {v}: "
+        click.echo(f"{'warm' if warm else 'cold'} {rank} {kv_type} n_kv {n_kv}, {n_head_kv} kv heads, {v}: "
                    f"{statistics.median(ts):.3f} ms per layer; to {variants[0]}: "
                    f"{statistics.median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f})")
 
