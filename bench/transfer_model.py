@@ -15,30 +15,16 @@ from dataclasses import asdict, dataclass
 
 from sparq_cpp import transfer
 from sparq_cpp.errors import SparqError
+from sparq_cpp.geometry import ModelGeometry, geometry_fields
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the memory estimate and the transfer model need to know about a model."""
+@dataclass(frozen=True, kw_only=True)
+class ModelShape(ModelGeometry):
+    """What the memory estimate and the transfer model need to know about a model: its geometry and
+    the bytes of its weights."""
 
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
     weight_bytes: int  # the whole file's tensors (all resident while decoding)
     weight_bytes_per_token: int  # what one decode step reads
-    key_length: int | None = None  # the head size where the model sets it (qwen3, gemma3: not n_embd / n_head)
-
-    @property
-    def head_dim(self) -> int:
-        return self.key_length if self.key_length else self.n_embd // self.n_head
-
-    @property
-    def n_embd_kv(self) -> int:
-        return self.n_head_kv * self.head_dim
 
     def as_dict(self) -> dict:
         return asdict(self) | {"head_dim": self.head_dim, "n_embd_kv": self.n_embd_kv}
@@ -46,7 +32,7 @@ class ModelShape:
 
 def shape_from_gguf(path) -> ModelShape:
     """A ModelShape from a GGUF's metadata and tensor sizes."""
-    from sparq_cpp.gguf_check import _field, check_gguf, open_gguf
+    from sparq_cpp.gguf_check import check_gguf, open_gguf
 
     s = check_gguf(path)
     reader = open_gguf(path)
@@ -59,13 +45,10 @@ def shape_from_gguf(path) -> ModelShape:
     per_token = total - emb + emb // max(1, rows["token_embd.weight"])
     if "output.weight" not in sizes:  # tied embeddings: the head reads the whole embedding
         per_token += emb - emb // max(1, rows["token_embd.weight"])
-    n_ff = _field(reader, f"{s.arch}.feed_forward_length")
-    return ModelShape(n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_head_kv=s.n_head_kv,
-                      n_ff=int(n_ff) if n_ff is not None else 0, n_vocab=s.n_vocab, n_ctx_train=s.n_ctx_train,
-                      weight_bytes=total, weight_bytes_per_token=per_token, key_length=s.key_length)
+    return ModelShape(**geometry_fields(s), weight_bytes=total, weight_bytes_per_token=per_token)
 
 
-def shape_from_geometry(geo, wtype: str) -> ModelShape:
+def shape_from_geometry(geo: ModelGeometry, wtype: str) -> ModelShape:
     """The ModelShape the model factory's file for geo and wtype will have (before writing it)."""
     bpe = transfer.bytes_per_element(wtype)
     E, Eq, Ekv = geo.n_embd, geo.n_head * geo.head_dim, geo.n_head_kv * geo.head_dim
@@ -74,8 +57,7 @@ def shape_from_geometry(geo, wtype: str) -> ModelShape:
     emb = geo.n_vocab * E * bpe
     total = geo.n_layer * per_layer + 2 * emb + E * 4
     per_token = total - emb + E * bpe
-    return ModelShape(geo.n_layer, E, geo.n_head, geo.n_head_kv, geo.n_ff, geo.n_vocab, geo.n_ctx_train,
-                      int(total), int(per_token), key_length=geo.key_length)
+    return ModelShape(**geometry_fields(geo), weight_bytes=int(total), weight_bytes_per_token=int(per_token))
 
 
 def kv_bytes_per_head(kind: str, n: int, D: int, cache_type: str, *, r: int = 16, k: int = 128,

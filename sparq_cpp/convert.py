@@ -17,7 +17,7 @@ from gguf.quants import quantize
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.outfile import atomic_write
-from sparq_cpp.hf_checkpoint import LlamaHParams, Tensors, read_hparams, read_vocabulary
+from sparq_cpp.hf_checkpoint import CheckpointConfig, Tensors, read_config, read_vocabulary
 
 OUTTYPES = {"f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
             "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
@@ -32,7 +32,7 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _expected(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
+def _expected(hp: CheckpointConfig) -> dict[str, tuple[int, ...]]:
     """GGUF name -> HF shape (rows, cols) of every tensor llama.cpp's LLAMA graph needs."""
     q, kv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     shapes = {"token_embd.weight": (hp.n_vocab, hp.n_embd), "output_norm.weight": (hp.n_embd,)}
@@ -48,7 +48,7 @@ def _expected(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _plan(hp: LlamaHParams, tensors: Tensors) -> list[tuple[str, str]]:
+def _plan(hp: CheckpointConfig, tensors: Tensors) -> list[tuple[str, str]]:
     """(GGUF name, HF name) in llama.cpp's order, every name and shape checked."""
     name_map = get_tensor_name_map(MODEL_ARCH.LLAMA, hp.n_layer)
     expected = _expected(hp)
@@ -98,7 +98,7 @@ def _nbytes(shape, qtype: GGMLQuantizationType) -> int:
     return n // _QK8_0 * (2 + _QK8_0)
 
 
-def _metadata(w: GGUFWriter, hp: LlamaHParams, outtype: str) -> None:
+def _metadata(w: GGUFWriter, hp: CheckpointConfig, outtype: str) -> None:
     w.add_name(hp.name)
     w.add_file_type(int(OUTTYPES[outtype][1]))
     w.add_quantization_version(GGML_QUANT_VERSION)
@@ -109,12 +109,12 @@ def _metadata(w: GGUFWriter, hp: LlamaHParams, outtype: str) -> None:
     w.add_head_count(hp.n_head)
     w.add_head_count_kv(hp.n_head_kv)
     w.add_layer_norm_rms_eps(hp.rms_eps)
-    w.add_rope_freq_base(hp.rope_theta)
+    w.add_rope_freq_base(hp.rope_freq_base)
     w.add_rope_dimension_count(hp.head_dim)
     w.add_vocab_size(hp.n_vocab)
 
 
-def _tokenizer(w: GGUFWriter, model_dir: Path, hp: LlamaHParams) -> None:
+def _tokenizer(w: GGUFWriter, model_dir: Path, hp: CheckpointConfig) -> None:
     vocab = read_vocabulary(model_dir, hp.n_vocab)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -137,7 +137,7 @@ def convert(model_dir, out=None, outtype: str = "f16") -> Path:
     if outtype not in OUTTYPES:
         raise SparqError(f"--outtype: unknown {outtype!r} (choose from {', '.join(OUTTYPES)})")
     model_dir = Path(model_dir).expanduser()
-    hp = read_hparams(model_dir)
+    hp = read_config(model_dir)
     tensors = Tensors(model_dir)
     plan = _plan(hp, tensors)
     read_vocabulary(model_dir, hp.n_vocab)  # fail on the tokenizer before writing anything
@@ -147,7 +147,7 @@ def convert(model_dir, out=None, outtype: str = "f16") -> Path:
     return atomic_write(out, lambda tmp: _write(tmp, model_dir, hp, tensors, plan, outtype), "--out")
 
 
-def _write(tmp: Path, model_dir: Path, hp: LlamaHParams, tensors: Tensors, plan, outtype: str) -> None:
+def _write(tmp: Path, model_dir: Path, hp: CheckpointConfig, tensors: Tensors, plan, outtype: str) -> None:
     w = GGUFWriter(tmp, MODEL_ARCH_NAMES[MODEL_ARCH.LLAMA])
     try:
         _metadata(w, hp, outtype)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import mmap
 import struct
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.geometry import ModelGeometry
 
 GGUF_MAGIC = b"GGUF"
 # Architectures with ordinary attention that the reference follows and the tests run sparse: the
@@ -26,26 +28,14 @@ SINK_ARCHS = ("gpt-oss",)  # attention sinks (blk.N.attn_sinks); any model with 
 MLA_ARCHS = ("deepseek2",)  # multi-head latent attention; any model with key_length_mla too
 
 
-@dataclass(frozen=True)
-class GGUFSummary:
+@dataclass(frozen=True, kw_only=True)
+class GGUFSummary(ModelGeometry):
+    """A GGUF's geometry as its metadata gives it (what the file does not set keeps ModelGeometry's
+    default), and what else a check of the file learns."""
     path: Path
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    n_ctx_train: int
-    n_vocab: int
     file_type: int | None
     name: str
-    key_length: int | None = None  # {arch}.attention.key_length, where the model sets its head size
     sparse_refusal: str | None = None  # why SparQ and Loki cannot run on this model, or None
-
-    @property
-    def head_dim(self) -> int:
-        if self.key_length:
-            return self.key_length
-        return self.n_embd // self.n_head if self.n_head else 0  # 0: no attention heads (recurrent models)
 
 
 # llama.cpp keeps per-layer settings in arrays of LLAMA_MAX_LAYERS and asserts (aborts) above it.
@@ -91,6 +81,20 @@ def open_gguf(path) -> "gguf.GGUFReader":
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise SparqError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
     return reader
+
+
+def _shortest_f32(x: float) -> float:
+    """A float32 as the shortest decimal that reads back as the same float32 (1e-05, not 9.99999975e-06),
+    so that a value read equals the value the file was written from."""
+    packed = struct.pack("<f", x)
+    for digits in range(1, 10):
+        v = float(f"{x:.{digits}g}")
+        try:
+            if struct.pack("<f", v) == packed:
+                return v
+        except OverflowError:  # rounded past the largest float32
+            pass
+    return x  # inf, nan
 
 
 class _Header:
@@ -152,7 +156,8 @@ class _Header:
     def _value(self, buf, pos, vtype):
         if vtype in self._SCALARS:
             fmt = self._SCALARS[vtype]
-            return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+            value = struct.unpack_from(fmt, buf, pos)[0]
+            return (_shortest_f32(value) if fmt == "<f" else value), pos + struct.calcsize(fmt)
         if vtype == self.STRING:
             return self._string(buf, pos)
         if vtype == self.ARRAY:
@@ -243,8 +248,16 @@ def swa_layers(path) -> tuple | None:
     """Per layer, True for a sliding-window layer, for models with interleaved sliding-window attention
     (gemma3, olmo2 with a window); None for every other model."""
     reader = _read_header(Path(path))
-    arch = reader.get("general.architecture")
-    if arch not in _SWA_PATTERN_DEFAULT or not (reader.get(f"{arch}.attention.sliding_window") or 0) > 0:
+    return _swa_layers(reader, reader.get("general.architecture"), path)
+
+
+def _number(reader: _Header, key: str, default):
+    v = reader.get(key, default)
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
+def _swa_layers(reader: _Header, arch, path) -> tuple | None:
+    if arch not in _SWA_PATTERN_DEFAULT or not _number(reader, f"{arch}.attention.sliding_window", 0) > 0:
         return None
     n_layer = reader.get(f"{arch}.block_count")
     pattern = reader.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN_DEFAULT[arch])
@@ -291,15 +304,29 @@ def check_gguf(path, archs=None) -> GGUFSummary:
 
     n_head = hp("attention.head_count")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
+
+    def num(name, default):
+        return _number(reader, f"{arch}.{name}", default)
+
     summary = GGUFSummary(
         path=path, arch=arch, n_layer=hp("block_count"), n_embd=hp("embedding_length"),
         n_head=n_head, n_head_kv=hp("attention.head_count_kv", n_head),
+        n_ff=int(num("feed_forward_length", 0)),  # 0 where given per layer
         n_ctx_train=hp("context_length"),
         n_vocab=tokens.count if isinstance(tokens, _Header._Array) else hp("vocab_size", 0),
+        rope_freq_base=float(num("rope.freq_base", 10000.0)),
+        rms_eps=float(num("attention.layer_norm_rms_epsilon", ModelGeometry.rms_eps)),
+        key_length=hp("attention.key_length", 0) or None,
+        rope_freq_base_swa=float(num("rope.freq_base_swa", 10000.0)),
+        embedding_scale=float(num("embedding_scale", 0.0)), residual_scale=float(num("residual_scale", 0.0)),
+        attention_scale=float(num("attention.scale", 0.0)), logit_scale=float(num("logit_scale", 0.0)),
         file_type=reader.get("general.file_type"), name=str(reader.get("general.name", path.stem)),
-        key_length=hp("attention.key_length", 0) or None, sparse_refusal=refusal,
+        sparse_refusal=refusal,
     )
     _check_geometry(summary, heads=not lenient)
+    window = _swa_layers(reader, arch, path)  # after the check: one flag per layer
+    if window:
+        summary = dataclasses.replace(summary, n_swa=int(num("attention.sliding_window", 0)), swa_layers=window)
     return summary
 
 

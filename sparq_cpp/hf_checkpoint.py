@@ -14,23 +14,15 @@ import numpy as np
 
 from sparq_cpp import spm_model
 from sparq_cpp.errors import SparqError
+from sparq_cpp.geometry import ModelGeometry
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-@dataclass(frozen=True)
-class LlamaHParams:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    head_dim: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_theta: float
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(ModelGeometry):
+    """config.json's geometry and what conversion needs besides."""
     tied_embeddings: bool
     name: str
 
@@ -45,7 +37,7 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def read_hparams(model_dir: Path) -> LlamaHParams:
+def read_config(model_dir: Path) -> CheckpointConfig:
     """config.json, checked: a Llama-family architecture whose features llama.cpp's LLAMA arch has."""
     if not model_dir.exists():
         raise SparqError(f"model directory not found: {model_dir}")
@@ -83,11 +75,11 @@ def read_hparams(model_dir: Path) -> LlamaHParams:
         raise SparqError(f"{path}: num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_head_kv}")
     if head_dim % 2:
         raise SparqError(f"{path}: head size {head_dim} must be even for RoPE")
-    return LlamaHParams(
+    return CheckpointConfig(
         n_vocab=need("vocab_size"), n_embd=n_embd, n_layer=need("num_hidden_layers"), n_head=n_head,
-        n_head_kv=n_head_kv, n_ff=need("intermediate_size"), head_dim=head_dim,
-        n_ctx_train=need("max_position_embeddings", 4096), rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta", 10000.0)), tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        n_head_kv=n_head_kv, n_ff=need("intermediate_size"), n_ctx_train=need("max_position_embeddings", 4096),
+        rms_eps=float(c.get("rms_norm_eps", 1e-6)), rope_freq_base=float(c.get("rope_theta", 10000.0)),
+        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
         name=str(c.get("_name_or_path") or model_dir.resolve().name))
 
 

@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.geometry import ModelGeometry
 from sparq_cpp.gguf_check import MAX_LAYERS
 from sparq_cpp.outfile import atomic_write, check_space, fmt_bytes
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
@@ -51,38 +52,6 @@ _CHUNK = 1 << 24  # elements generated at a time
 ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
 # q projection width is n_embd in these graphs (llama.cpp loads attn_q as {n_embd, n_embd})
 _Q_IS_N_EMBD = ("qwen2", "phi3", "olmo2")
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
-    rope_freq_base: float = 10000.0
-    rms_eps: float = 1e-5
-    arch: str = "llama"
-    key_length: int | None = None  # head size when it is not n_embd / n_head ({arch}.attention.key_length)
-    # gemma3: interleaved sliding window; layer il is a window layer when il % swa_pattern < swa_pattern - 1
-    n_swa: int = 0
-    swa_pattern: int = 0
-    rope_freq_base_swa: float = 10000.0
-    # granite: 0 = not written
-    embedding_scale: float = 0.0
-    residual_scale: float = 0.0
-    attention_scale: float = 0.0
-    logit_scale: float = 0.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.key_length if self.key_length else self.n_embd // self.n_head
-
-    def is_swa(self, il: int) -> bool:
-        """llama.cpp's set_swa_pattern (dense_first false) for a model with a window."""
-        return self.n_swa > 0 and il % self.swa_pattern < self.swa_pattern - 1
 
 
 PRESETS: dict[str, ModelGeometry] = {
@@ -153,6 +122,8 @@ def _check_geometry(g: ModelGeometry, wtype: str) -> None:
             raise SparqError(f"key_length: {g.arch} needs n_head * key_length == n_embd ({g.n_embd})")
     elif g.n_embd % g.n_head:
         raise SparqError(f"n_embd: {g.n_embd} is not divisible by n_head {g.n_head}")
+    if g.swa_layers:
+        raise SparqError("swa_layers: the factory writes a window pattern; give n_swa and swa_pattern")
     if g.n_swa or g.swa_pattern:
         if g.arch != "gemma3":
             raise SparqError(f"n_swa: the factory writes sliding-window layers for gemma3 only, not {g.arch}")

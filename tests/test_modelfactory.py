@@ -141,6 +141,27 @@ def test_overrides(tmp_path):
             f["llama.context_length"], f["llama.rope.dimension_count"]) == (128, 1, 600, 1024, 64)
 
 
+@pytest.mark.parametrize("preset", [p for p in mf.PRESETS if p.startswith("tiny-")])
+def test_geometry_read_back(tmp_path, preset):
+    """The geometry a file is written from comes back as the same ModelGeometry fields, from
+    check_gguf's summary and the reference's hyperparameters (window layers as per-layer flags)."""
+    from sparq_cpp.geometry import ModelGeometry, geometry_fields
+    from sparq_cpp.gguf_check import check_gguf
+    from sparq_cpp.reference.gguf_model import load_llama
+
+    g = mf.PRESETS[preset]
+    path = mf.write_model(tmp_path / "m.gguf", preset)
+    want = geometry_fields(g) | {"swa_pattern": 0,
+                                 "swa_layers": tuple(g.is_swa(il) for il in range(g.n_layer)) if g.n_swa else ()}
+    summary, hparams = check_gguf(path), load_llama(path).hparams
+    assert isinstance(summary, ModelGeometry) and isinstance(hparams, ModelGeometry)
+    assert geometry_fields(summary) == want
+    got = geometry_fields(hparams)  # float32 values as stored
+    floats = [k for k, v in want.items() if isinstance(v, float)]
+    assert [got.pop(k) for k in floats] == pytest.approx([want.pop(k) for k in floats], rel=1e-7)
+    assert got == want
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(preset="nope"), "preset"),
     (dict(wtype="q4_0"), "wtype"),
@@ -153,6 +174,7 @@ def test_overrides(tmp_path):
     (dict(n_ctx_train=0), "n_ctx_train"),
     (dict(rms_eps=0.0), "rms_eps"),
     (dict(n_experts=4), "n_experts"),
+    (dict(swa_layers=(True, False)), "swa_layers"),
     (dict(seed=-1), "seed"),
 ])
 def test_bad_arguments(tmp_path, kwargs, param):

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.geometry import ModelGeometry
 from sparq_cpp.gguf_check import open_gguf
 
 _Q = GGMLQuantizationType
@@ -32,44 +33,24 @@ ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
 _NEOX = ("qwen2", "qwen3", "phi3", "gemma3", "olmo2")  # llama_model_rope_type: LLAMA_ROPE_TYPE_NEOX
 
 
-@dataclass
-class LlamaHParams:
-    """Hyperparameters of any architecture in ARCHS (the name is historical; ModelHParams is an alias)."""
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_freq_base: float
-    rope_freq_scale: float  # 1/factor for linear scaling, else 1
+@dataclass(frozen=True, kw_only=True)
+class ModelHParams(ModelGeometry):
+    """A model's geometry (any architecture in ARCHS) and the numerics the forward pass applies."""
+    rope_freq_scale: float = 1.0  # 1/factor for linear scaling, else 1
+    rope_freq_scale_swa: float = 1.0
     n_rot: int
-    head_dim: int
     kq_scale: float  # the score scale build_attn gets (1 where the graph scales q itself)
-    arch: str = "llama"
     rope_neox: bool = False  # rotate (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1])
     q_scale: float = 0.0  # phi3, gemma3: q *= q_scale after RoPE (ggml_scale), kq_scale is then 1
-    # interleaved sliding window (gemma3): per layer True for a window layer; n_swa positions visible
-    swa_layers: tuple = ()
-    n_swa: int = 0
-    rope_freq_base_swa: float = 10000.0
-    rope_freq_scale_swa: float = 1.0
-    embd_scale: float = 0.0  # gemma3: sqrt(n_embd); granite: embedding_scale (0: none)
-    residual_scale: float = 0.0  # granite: attention and FFN outputs scaled before the residual add
-    logit_scale: float = 0.0  # granite: logits divided by it
     ffn_gelu: bool = False  # gemma3: GELU-gated FFN instead of SiLU
 
     @property
-    def n_gqa(self) -> int:
-        return self.n_head // self.n_head_kv
-
-    def is_swa(self, il: int) -> bool:
-        return bool(self.swa_layers) and bool(self.swa_layers[il])
-
-
-ModelHParams = LlamaHParams
+    def embd_scale(self) -> float:
+        """What the token embeddings are multiplied by (0: nothing): gemma3 sqrt(n_embd), granite its
+        embedding_scale."""
+        if self.arch == "gemma3":
+            return float(np.sqrt(np.float32(self.n_embd), dtype=np.float32))
+        return self.embedding_scale
 
 
 @dataclass
@@ -95,7 +76,7 @@ class LlamaLayer:
 @dataclass
 class LlamaModel:
     path: str
-    hparams: LlamaHParams
+    hparams: ModelHParams
     tok_embd: np.ndarray  # [n_vocab, n_embd]
     output_norm: np.ndarray
     output: np.ndarray  # [n_vocab, n_embd]; token_embd when tied
@@ -152,7 +133,8 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
     n_head_kv = int(kv("attention.head_count_kv", n_head))
     if n_head_kv < 1 or n_head % n_head_kv:
         raise SparqError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    head_dim = int(kv("attention.key_length", n_embd // n_head))
+    key_length = kv("attention.key_length")
+    head_dim = int(key_length or n_embd // n_head)
     if int(kv("attention.value_length", head_dim)) != head_dim:
         raise SparqError("attention.value_length differs from key_length (unsupported)")
     n_rot = int(kv("rope.dimension_count", head_dim))
@@ -190,20 +172,20 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
     tok_embd = get("token_embd.weight")
     n_vocab = int(kv("vocab_size", 0) or tok_embd.shape[0])
     n_ff = int(kv("feed_forward_length", required=True))
-    hp = LlamaHParams(
+    hp = ModelHParams(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
         n_ff=n_ff, n_vocab=n_vocab,
         n_ctx_train=int(kv("context_length", 0) or 0),
         rms_eps=float(kv("attention.layer_norm_rms_epsilon", required=True)),
         rope_freq_base=float(kv("rope.freq_base", 10000.0)), rope_freq_scale=freq_scale,
-        n_rot=n_rot, head_dim=head_dim, kq_scale=kq_scale, arch=arch, rope_neox=arch in _NEOX,
-        q_scale=q_scale, swa_layers=swa_layers, n_swa=n_swa,
+        arch=arch, key_length=int(key_length) if key_length else None,
+        n_swa=n_swa, swa_layers=swa_layers,
         rope_freq_base_swa=float(kv("rope.freq_base_swa", 10000.0)), rope_freq_scale_swa=1.0,
-        embd_scale=(float(np.sqrt(np.float32(n_embd), dtype=np.float32)) if arch == "gemma3"
-                    else float(kv("embedding_scale", 0.0) or 0.0) if arch == "granite" else 0.0),
+        embedding_scale=float(kv("embedding_scale", 0.0) or 0.0) if arch == "granite" else 0.0,
         residual_scale=float(kv("residual_scale", 0.0) or 0.0) if arch == "granite" else 0.0,
+        attention_scale=attn_scale,
         logit_scale=float(kv("logit_scale", required=True)) if arch == "granite" else 0.0,
-        ffn_gelu=arch == "gemma3",
+        n_rot=n_rot, kq_scale=kq_scale, rope_neox=arch in _NEOX, q_scale=q_scale, ffn_gelu=arch == "gemma3",
     )
 
     wtypes = {name: t.tensor_type for name, t in tensors.items()}
