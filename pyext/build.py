@@ -5,7 +5,7 @@ One CMake build of the patched sdist gives both products, so nothing is compiled
   - the standalone tools (llama-bench, llama-cli, llama-completion, llama-server, test-backend-ops).
 The build lives in `<cache>/build/<key>`, where the key hashes every input: the pinned sdist, the
 patch series (every byte), the build options, and this file's BUILDER_VERSION. Same inputs: no
-rebuild. `python -m sparq_cpp.pyext.build [--cuda --cuda-arch 90]`.
+rebuild. `python -m sparq_cpp.pyext.build [--cuda [--cuda-arch 90]]` (CUDA: pyext/cuda.py).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import click
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.pyext import cuda as pcuda
 from sparq_cpp.pyext.patchtree import apply_series, series, series_hash
 from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, cache_root, fetch_sdist, unpack_sdist
 
@@ -39,10 +40,13 @@ INSTALL_RECORD = Path(sys.prefix) / "sparq-cpp-build.json"
 
 @dataclass(frozen=True)
 class BuildOptions:
-    cuda: bool = False
-    cuda_arch: str = "native"
+    cuda_args: tuple[str, ...] = ()  # a CUDA build's CMake arguments (pyext.cuda.cmake_args); empty: CPU only
     native: bool = True
     extra_cmake_args: tuple[str, ...] = ()
+
+    @property
+    def cuda(self) -> bool:
+        return bool(self.cuda_args)
 
     def cmake_args(self) -> list[str]:
         args = [
@@ -51,9 +55,7 @@ class BuildOptions:
             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
             "-DLLAMA_BUILD_APP=OFF", f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}", "-DGGML_RPC=ON",
         ]
-        if self.cuda:
-            args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}"]
-        return args + list(self.extra_cmake_args)
+        return args + list(self.cuda_args) + list(self.extra_cmake_args)
 
     def targets(self) -> list[str]:
         return LIB_TARGETS + (["ggml-cuda"] if self.cuda else []) + TOOLS
@@ -241,17 +243,25 @@ def tool_path(name: str) -> Path:
 
 
 @click.command()
-@click.option("--cuda", is_flag=True, help="Also build the CUDA backend (-DGGML_CUDA=ON).")
-@click.option("--cuda-arch", default="native", show_default=True, help="CMAKE_CUDA_ARCHITECTURES, e.g. 90.")
+@click.option("--cuda", is_flag=True, help="Also build the CUDA backend (nvcc needed; cuBLAS is fetched if the toolkit "
+              "has none).")
+@click.option("--cuda-arch", default="auto", show_default=True,
+              help=f"CMAKE_CUDA_ARCHITECTURES, e.g. 90; auto: native with a GPU, else {pcuda.DEFAULT_ARCHS}.")
 @click.option("--no-native", is_flag=True, help="Portable CPU code instead of -march=native.")
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--no-install", is_flag=True, help="Build (or find in the cache) but do not install.")
 @click.option("--print-key", is_flag=True, help="Print the build key for these inputs and exit.")
 def main(cuda, cuda_arch, no_native, cmake_args, no_install, print_key):
     """Build (or reuse) the patched llama.cpp and install it into this environment."""
-    opts = BuildOptions(cuda=cuda, cuda_arch=cuda_arch, native=not no_native,
-                        extra_cmake_args=tuple(cmake_args))
     try:
+        cuda_args = ()
+        if cuda:
+            nvcc = pcuda.find_nvcc()
+            if nvcc is None:
+                raise SparqError("--cuda: nvcc not found (PATH, CUDACXX, /usr/local/cuda/bin); install the CUDA toolkit's "
+                                 "compiler")
+            cuda_args = tuple(pcuda.cmake_args(nvcc, cuda_arch, pcuda.fetch_cublas(nvcc)))
+        opts = BuildOptions(cuda_args=cuda_args, native=not no_native, extra_cmake_args=tuple(cmake_args))
         if print_key:
             click.echo(build_key(opts))
             return

@@ -41,8 +41,8 @@ def test_key_changes_with_one_patch_byte(patches_copy):
     assert k1 == pbuild.build_key(opts, patches_dir=patches_copy)  # stable
     p.write_bytes(p.read_bytes().replace(b"x", b"y"))
     assert pbuild.build_key(opts, patches_dir=patches_copy) != k1
-    assert pbuild.build_key(pbuild.BuildOptions(cuda=True, cuda_arch="90"), patches_dir=patches_copy) != \
-        pbuild.build_key(opts, patches_dir=patches_copy)
+    cuda = pbuild.BuildOptions(cuda_args=("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"))
+    assert pbuild.build_key(cuda, patches_dir=patches_copy) != pbuild.build_key(opts, patches_dir=patches_copy)
 
 
 def test_series_lists_missing_patch(patches_copy):
