@@ -200,6 +200,3 @@ def _check_build(modes: list) -> None:
             bad = [m for m in modes if not MODES[m].dense]
             raise SparqError(f"--modes {','.join(bad)}: the installed llama.cpp has no sparse attention "
                              "API; run `make setup` to build the patched one")
-        if "loki" in kinds and not sparse_api.loki_available():
-            raise SparqError("--modes loki: the installed llama.cpp build has no Loki runtime "
-                             "(no llama_sparse_attn_load_projection); run `make setup` or drop loki from --modes")

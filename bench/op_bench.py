@@ -159,8 +159,6 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
         raise click.BadParameter(f"{n_kvs!r}: cell counts must be at least 1", param_hint="--n-kv")
     if not go.has_sparq_attn():
         raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
-    if loki_d and not go.has_loki_attn():
-        raise SparqError(f"ggml_loki_attn is missing from {go.lib_dir()}: build the patched ggml (or --loki-d 0)")
     if json_out:
         check_writable(json_out, "--json")  # now, not after the long run
     huge_before = _numpy_huge_pages(pages == "huge")
@@ -201,7 +199,6 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                         f"{m}_speedup": td / t, f"{m}_bw_frac": gbs / bw, f"{m}_bw_frac_adj": gbs / bw_adj})
             line += (f" {t*1e3:>6.3f} ({t_min*1e3:>5.2f}) {td / t:>7.1f}x {100 * gbs / bw:>4.0f}%"
                      f" {100 * gbs / bw_adj:>4.0f}% {nbytes[m]/1e6:>7.2f}")
-        row["speedup"], row["sparq_bw_frac"] = row["sparq_speedup"], row["sparq_bw_frac"]  # the names older JSON had
         rows.append(row)
         click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>9.1f} / {bw_after:.1f}")
         bw_before = bw_after

@@ -6,8 +6,9 @@ numpy arrays (kept alive by the ``Graph``), so views with arbitrary strides (a t
 inside a wider buffer, a permuted cache view) are plain ``ggml_view_4d`` calls.
 
 Libraries: ``$SPARQ_CPP_LIB_DIR`` if set, else the ``lib/`` folder of the installed ``llama_cpp``
-package. ``ggml_sparq_attn`` is resolved lazily, so this module loads against a stock build and
-raises ``SparqError`` only when the op is used (``has_sparq_attn()`` tells beforehand).
+package. ``ggml_sparq_attn`` and ``ggml_loki_attn`` (both from the SPARSE_ATTN patch) are resolved
+lazily, so this module loads against a stock build and raises ``SparqError`` only when the op is used
+(``has_sparq_attn()`` tells beforehand).
 
 Shapes follow the reference (sparq_cpp.reference.attention): q [n_q, n_head, D], k/v
 [n_kv, n_head_kv, D], mask bool [n_q, n_kv], kv_pos int32 [n_kv]; results [n_q, n_head, D].
@@ -146,14 +147,18 @@ class _Lib:
 
     @property
     def has_sparq_attn(self) -> bool:
+        """Whether this is a patched build (it has the SPARSE_ATTN op's constructors)."""
         return hasattr(self.base, "ggml_sparq_attn")
+
+    def _check_patched(self) -> None:
+        if not self.has_sparq_attn:
+            raise SparqError(f"ggml_sparq_attn is missing from {self.dir / 'libggml-base.so'}: "
+                             "this is a stock ggml build, build the patched one")
 
     @property
     def ggml_sparq_attn(self):
         if self._sparq is None:
-            if not self.has_sparq_attn:
-                raise SparqError(f"ggml_sparq_attn is missing from {self.dir / 'libggml-base.so'}: "
-                                 "this is a stock ggml build, build the patched one")
+            self._check_patched()
             f = self.base.ggml_sparq_attn
             f.restype = T_P
             f.argtypes = [VP, T_P, T_P, T_P, T_P, T_P, T_P, T_P, ctypes.c_float,
@@ -162,15 +167,9 @@ class _Lib:
         return self._sparq
 
     @property
-    def has_loki_attn(self) -> bool:
-        return hasattr(self.base, "ggml_loki_attn")
-
-    @property
     def ggml_loki_attn(self):
         if self._loki is None:
-            if not self.has_loki_attn:
-                raise SparqError(f"ggml_loki_attn is missing from {self.dir / 'libggml-base.so'}: "
-                                 "this ggml build predates the Loki patches, build the patched one")
+            self._check_patched()
             f = self.base.ggml_loki_attn
             f.restype = T_P
             f.argtypes = [VP, T_P, T_P, T_P, T_P, T_P, ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
@@ -455,13 +454,6 @@ def loki_attn(q, k, v, mask, kv_pos, kq_scale, d, top_k, n_local=0, *, kv_type="
         if return_values:
             return y, cache.k_values, cache.v_values
         return y
-
-
-def has_loki_attn(directory: Path | None = None) -> bool:
-    try:
-        return lib(directory).has_loki_attn
-    except SparqError:
-        return False
 
 
 def flash_attn_ext(q, k, v, mask, kv_pos, kq_scale, *, kv_type="f16", n_threads=2, directory=None):

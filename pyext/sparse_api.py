@@ -66,9 +66,8 @@ def _lib():
         lib.llama_sparse_attn_strerror.argtypes = [ctypes.c_int32]
         lib.llama_sparse_attn_set_next_context.restype = None
         lib.llama_sparse_attn_set_next_context.argtypes = [ctypes.POINTER(llama_sparse_attn_params)]
-        if hasattr(lib, "llama_sparse_attn_load_projection"):
-            lib.llama_sparse_attn_load_projection.restype = ctypes.c_int32
-            lib.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
+        lib.llama_sparse_attn_load_projection.restype = ctypes.c_int32
+        lib.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
     except AttributeError as e:
         raise SparqError(f"the installed llama.cpp has no sparse attention API ({e}); "
                          "run `make setup` to build the patched one") from None
@@ -84,11 +83,8 @@ def available() -> bool:
 
 
 def loki_available() -> bool:
-    """Whether the build has the Loki runtime (it exports the projection loader)."""
-    try:
-        return hasattr(_lib(), "llama_sparse_attn_load_projection")
-    except SparqError:
-        return False
+    """Whether the build has the Loki runtime: every patched build has it (the same as available())."""
+    return available()
 
 
 def default_params() -> llama_sparse_attn_params:

@@ -16,6 +16,7 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.geometry import add_geometry
 from sparq_cpp.outfile import atomic_write
 from sparq_cpp.hf_checkpoint import CheckpointConfig, Tensors, read_config, read_vocabulary
 
@@ -102,16 +103,7 @@ def _metadata(w: GGUFWriter, hp: CheckpointConfig, outtype: str) -> None:
     w.add_name(hp.name)
     w.add_file_type(int(OUTTYPES[outtype][1]))
     w.add_quantization_version(GGML_QUANT_VERSION)
-    w.add_context_length(hp.n_ctx_train)
-    w.add_embedding_length(hp.n_embd)
-    w.add_block_count(hp.n_layer)
-    w.add_feed_forward_length(hp.n_ff)
-    w.add_head_count(hp.n_head)
-    w.add_head_count_kv(hp.n_head_kv)
-    w.add_layer_norm_rms_eps(hp.rms_eps)
-    w.add_rope_freq_base(hp.rope_freq_base)
-    w.add_rope_dimension_count(hp.head_dim)
-    w.add_vocab_size(hp.n_vocab)
+    add_geometry(w, hp)
 
 
 def _tokenizer(w: GGUFWriter, model_dir: Path, hp: CheckpointConfig) -> None:

@@ -70,11 +70,6 @@ def display_name(attention) -> str:
 def check_loki_projection(attention: Loki, model_path) -> None:
     """The projection exists, is readable and was made for this very model file (its fingerprint), or
     the model has one embedded; checked here because llama.cpp can only compare shapes and names."""
-    from sparq_cpp.pyext import sparse_api
-
-    if not sparse_api.loki_available():
-        raise SparqError("the installed llama.cpp has no Loki runtime (llama_sparse_attn_load_projection); "
-                         "run `make setup` to build the patched one")
     from sparq_cpp.calib.projection import read_projection
 
     if attention.projection is not None:

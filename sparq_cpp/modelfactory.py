@@ -27,8 +27,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.geometry import ModelGeometry
-from sparq_cpp.gguf_check import MAX_LAYERS
+from sparq_cpp.geometry import ModelGeometry, add_geometry
+from sparq_cpp.gguf_check import MAX_LAYERS, SUPPORTED_ARCHS
 from sparq_cpp.outfile import atomic_write, check_space, fmt_bytes
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
 
@@ -49,7 +49,6 @@ SPECTRUM_POWER = 0.75
 _CHUNK = 1 << 24  # elements generated at a time
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
 # q projection width is n_embd in these graphs (llama.cpp loads attn_q as {n_embd, n_embd})
 _Q_IS_N_EMBD = ("qwen2", "phi3", "olmo2")
 
@@ -113,8 +112,8 @@ def _check_geometry(g: ModelGeometry, wtype: str) -> None:
     for name in ("rope_freq_base", "rms_eps"):
         if not float(getattr(g, name)) > 0:
             raise SparqError(f"{name}: must be > 0, got {getattr(g, name)!r}")
-    if g.arch not in ARCHS:
-        raise SparqError(f"arch: unknown {g.arch!r} (choose from {', '.join(ARCHS)})")
+    if g.arch not in SUPPORTED_ARCHS:
+        raise SparqError(f"arch: unknown {g.arch!r} (choose from {', '.join(SUPPORTED_ARCHS)})")
     if g.key_length is not None:
         if not _is_int(g.key_length) or g.key_length < 1:
             raise SparqError(f"key_length: must be an integer >= 1, got {g.key_length!r}")
@@ -221,16 +220,11 @@ def _qk_row_std(g: ModelGeometry, seed: int, il: int, n_heads: int) -> np.ndarra
     spectra = np.stack([rng.permutation(base) for _ in range(g.n_head_kv)])  # (kv heads, pairs)
     gain = _qk_gain(g, base)
     per_head = np.repeat(spectra, n_heads // g.n_head_kv, axis=0)  # q heads share their KV head's
-    if _rope_neox(g):
+    if g.rope_neox:
         per_row = np.concatenate([per_head, per_head], axis=1).reshape(-1)
     else:
         per_row = np.repeat(per_head, 2, axis=1).reshape(-1)
     return gain * per_row / np.sqrt(g.n_embd)
-
-
-def _rope_neox(g: ModelGeometry) -> bool:
-    """llama.cpp's rope type for the architecture (llama_model_rope_type)."""
-    return g.arch in ("qwen2", "qwen3", "phi3", "gemma3", "olmo2")
 
 
 @dataclass(frozen=True)
@@ -320,27 +314,7 @@ def _add_metadata(w: GGUFWriter, g: ModelGeometry, preset: str, wtype: str, seed
     w.add_name(f"sparq-synthetic-{preset}".replace("phi3", "phi-iii"))
     w.add_file_type(int(_FILE_TYPES[wtype]))
     w.add_quantization_version(GGML_QUANT_VERSION)
-    w.add_context_length(g.n_ctx_train)
-    w.add_embedding_length(g.n_embd)
-    w.add_block_count(g.n_layer)
-    w.add_feed_forward_length(g.n_ff)
-    w.add_head_count(g.n_head)
-    w.add_head_count_kv(g.n_head_kv)
-    w.add_layer_norm_rms_eps(float(g.rms_eps))
-    w.add_rope_freq_base(float(g.rope_freq_base))
-    w.add_rope_dimension_count(g.head_dim)
-    w.add_vocab_size(g.n_vocab)
-    if g.key_length:
-        w.add_key_length(g.head_dim)
-        w.add_value_length(g.head_dim)
-    if g.n_swa:
-        w.add_sliding_window(g.n_swa)
-        w.add_uint32(f"{g.arch}.attention.sliding_window_pattern", g.swa_pattern)
-        w.add_rope_freq_base_swa(float(g.rope_freq_base_swa))
-    for key, value in (("embedding_scale", g.embedding_scale), ("residual_scale", g.residual_scale),
-                       ("attention.scale", g.attention_scale), ("logit_scale", g.logit_scale)):
-        if value:
-            w.add_float32(f"{g.arch}.{key}", float(value))
+    add_geometry(w, g)
     w.add_string("sparq.preset", preset)
     w.add_uint64("sparq.seed", seed)
     w.add_uint32("sparq.factory_version", FACTORY_VERSION)

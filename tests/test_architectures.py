@@ -25,7 +25,7 @@ from sparq_cpp.gguf_check import check_gguf  # noqa: E402
 from sparq_cpp.modelfactory import PRESETS, write_model  # noqa: E402
 from sparq_cpp.reference.attention import DenseAttention, SparQAttention  # noqa: E402
 from sparq_cpp.reference.forward import LlamaReference, round_f16  # noqa: E402
-from sparq_cpp.reference.gguf_model import load_model  # noqa: E402
+from sparq_cpp.reference.gguf_model import load_llama  # noqa: E402
 from sparq_cpp.reference.loki import LokiAttention  # noqa: E402
 
 FAMILIES = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma3", "tiny-olmo2", "tiny-granite"]
@@ -62,7 +62,7 @@ def models(tmp_path_factory):
         if key not in cache:
             name = preset + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
             path = write_model(root / f"{name}.gguf", preset, wtype="f32", seed=3, **overrides)
-            cache[key] = (path, load_model(path))
+            cache[key] = (path, load_llama(path))
         return cache[key]
 
     return get
@@ -142,7 +142,7 @@ TOL_WEIGHTS_GEMMA3 = {"f16": 4e-3, "q8_0": 6e-2}
 @pytest.mark.parametrize("preset", FAMILIES[1:])  # llama: test_logits_match.py
 def test_quantized_weights_match_reference(tmp_path, preset, wtype):
     path = write_model(tmp_path / f"{preset}-{wtype}.gguf", preset, wtype=wtype, seed=3)
-    model = load_model(path)
+    model = load_llama(path)
     rows, steps = compare(open_llm(path, Dense(), cache_type="f16"), reference(model, cache_type="f16"), n_decode=4)
     tol = (TOL_WEIGHTS_GEMMA3 if preset == "tiny-gemma3" else TOL_WEIGHTS)[wtype]
     assert rows.max() <= tol and steps.max() <= tol, (rows.max(), steps)
@@ -549,11 +549,11 @@ def test_gemma3_window_layers_as_per_layer_flags(models, tmp_path):
     path = rewrite_gguf(src, tmp_path / "flags.gguf",
                         {"gemma3.attention.sliding_window_pattern": (flags, gguf.GGUFValueType.ARRAY)})
     assert swa_layers(path) == tuple(flags)
-    model = load_model(path)
+    model = load_llama(path)
     assert model.hparams.swa_layers == tuple(flags)
     rows, _ = compare(open_llm(path, Dense(), flash_attn=False), LlamaReference(model), n_decode=0)
     assert rows.max() <= TOL_EXACT["tiny-gemma3"]
-    other = LlamaReference(load_model(src)).forward(tokens(N_PROMPT))  # the pattern 2 layout
+    other = LlamaReference(load_llama(src)).forward(tokens(N_PROMPT))  # the pattern 2 layout
     assert rel(LlamaReference(model).forward(tokens(N_PROMPT)), other) > 0.05
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from sparq_cpp.modelfactory import resolve_geometry, write_model  # noqa: E402
 from sparq_cpp.pyext import sparse_api  # noqa: E402
 
 HAS_SPARSE = sparse_api.available()
-HAS_LOKI = sparse_api.loki_available()
 needs_sparse = pytest.mark.skipif(not HAS_SPARSE, reason="the installed llama.cpp has no sparse attention API")
 
 
@@ -314,7 +312,7 @@ def test_cli_bad_input_one_line_exit_2(models, tmp_path):
 # ---- a tiny full run ---------------------------------------------------------------------
 
 def test_tiny_bench_writes_json_and_png(models, tmp_path):
-    modes = ["dense-fa", "dense-nofa"] + (["sparq"] if HAS_SPARSE else []) + (["loki"] if HAS_LOKI else [])
+    modes = ["dense-fa", "dense-nofa"] + (["sparq"] if HAS_SPARSE else []) + (["loki"] if HAS_SPARSE else [])
     cfg = BenchConfig(model=models["tiny-gqa"], depths="64,256", modes=modes, threads=1, repeats=2, rounds=2, warmup=1,
                       fill="both", r=8, k=32, l=8, d=16, json_path=tmp_path / "r.json", plot_path=tmp_path / "r.png",
                       bandwidth_bytes=1 << 25, progress=False)
@@ -341,7 +339,7 @@ def test_tiny_bench_writes_json_and_png(models, tmp_path):
         base = {r["mode"]: r for r in data["results"] if r["depth"] == 256 and r["fill"] == "synthetic"}
         want = [b["median_s"] / x["median_s"] for b, x in zip(base[s["baseline"]]["rounds"], base["sparq"]["rounds"])]
         assert s["speedup_rounds"] == pytest.approx(want) and len(want) == 2
-    if HAS_LOKI:
+    if HAS_SPARSE:
         assert data["loki_basis"].startswith("synthetic")
         assert [r["attention"]["mode"] for r in data["results"] if r["mode"] == "loki"] == [2] * 4
         assert summ[256, "loki"]["speedup"] > 0

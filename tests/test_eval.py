@@ -74,7 +74,6 @@ def test_llama_cpp_scores_equal_reference(models, preset):
     assert doc["config"]["mean_value"] is (preset == "tiny")
 
 
-@pytest.mark.skipif(not sparse_api.loki_available(), reason="the installed llama.cpp has no Loki runtime")
 def test_llama_cpp_loki_scores_equal_reference(models, tmp_path):
     """Loki: llama.cpp (keys rotated into the basis before the cache) and the reference (rotating the cached
     keys itself) give the same scores; an f32 cache so that both rotate the same numbers."""

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("llama_cpp")
 from sparq_cpp.pyext import sparse_api  # noqa: E402
 
-if not sparse_api.loki_available():
-    pytest.skip("the installed llama.cpp has no Loki runtime (run `make setup`)", allow_module_level=True)
+if not sparse_api.available():
+    pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
 from test_calibrate import calibration_text  # noqa: E402
 from test_sparq_model import open_llm, rel, tokens  # noqa: E402 (the same model helpers as SparQ's tests)
@@ -165,7 +165,7 @@ def test_embedded_projection_loads_and_matches_the_file(models, tmp_path):
 
 def test_bad_settings_are_refused(models, tmp_path):
     path, proj, _ = models["tiny"]
-    gqa_path, gqa_proj, _ = models["tiny-gqa"]
+    _, gqa_proj, _ = models["tiny-gqa"]
     with pytest.raises(SparqError, match="needs a projection"):
         Llama(path, Loki(d=8))
     with pytest.raises(SparqError, match="made for another model|made for a model"):

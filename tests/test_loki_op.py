@@ -14,8 +14,8 @@ from sparq_cpp.pyext import ggml_ops as go
 from sparq_cpp.reference.attention import DenseAttention
 from sparq_cpp.reference.loki import LokiAttention
 
-if not go.has_loki_attn():
-    pytest.skip("the ggml build has no ggml_loki_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
+if not go.has_sparq_attn():
+    pytest.skip("the ggml build has no SPARSE_ATTN op (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
 from test_sparq_op import TOL, assert_close, make_cache, make_mask, make_qkv  # noqa: E402 (after the skip)

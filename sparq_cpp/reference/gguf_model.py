@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.geometry import ModelGeometry
-from sparq_cpp.gguf_check import open_gguf
+from sparq_cpp.gguf_check import SUPPORTED_ARCHS, open_gguf
 
 _Q = GGMLQuantizationType
 # The types gguf.quants dequantizes and whose matmul activations forward.round_activation rounds as
@@ -29,18 +29,13 @@ SUPPORTED_WTYPES = (_Q.F32, _Q.F16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
                     _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite")
-_NEOX = ("qwen2", "qwen3", "phi3", "gemma3", "olmo2")  # llama_model_rope_type: LLAMA_ROPE_TYPE_NEOX
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelHParams(ModelGeometry):
-    """A model's geometry (any architecture in ARCHS) and the numerics the forward pass applies."""
+    """A model's geometry (any architecture in SUPPORTED_ARCHS) and the numerics the forward pass applies."""
     rope_freq_scale: float = 1.0  # 1/factor for linear scaling, else 1
     rope_freq_scale_swa: float = 1.0
     n_rot: int
     kq_scale: float  # the score scale build_attn gets (1 where the graph scales q itself)
-    rope_neox: bool = False  # rotate (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1])
     q_scale: float = 0.0  # phi3, gemma3: q *= q_scale after RoPE (ggml_scale), kq_scale is then 1
     ffn_gelu: bool = False  # gemma3: GELU-gated FFN instead of SiLU
 
@@ -105,11 +100,12 @@ def _dequant(t) -> np.ndarray:
 
 
 def load_llama(path: str | os.PathLike) -> LlamaModel:
-    """Load a model of any architecture in ARCHS (load_model is the same function)."""
+    """Load a model of any architecture in SUPPORTED_ARCHS."""
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
-    if arch not in ARCHS:
-        raise SparqError(f"unsupported architecture {arch!r} (the reference has {', '.join(ARCHS)}): {path}")
+    if arch not in SUPPORTED_ARCHS:
+        raise SparqError(f"unsupported architecture {arch!r} (the reference has "
+                         f"{', '.join(SUPPORTED_ARCHS)}): {path}")
 
     def kv(key, default=None, required=False):
         v = _field_value(reader, f"{arch}.{key}", default)
@@ -185,7 +181,7 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
         residual_scale=float(kv("residual_scale", 0.0) or 0.0) if arch == "granite" else 0.0,
         attention_scale=attn_scale,
         logit_scale=float(kv("logit_scale", required=True)) if arch == "granite" else 0.0,
-        n_rot=n_rot, kq_scale=kq_scale, rope_neox=arch in _NEOX, q_scale=q_scale, ffn_gelu=arch == "gemma3",
+        n_rot=n_rot, kq_scale=kq_scale, q_scale=q_scale, ffn_gelu=arch == "gemma3",
     )
 
     wtypes = {name: t.tensor_type for name, t in tensors.items()}
@@ -257,5 +253,3 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
         wtypes=wtypes, metadata=metadata,
     )
 
-
-load_model = load_llama

@@ -110,12 +110,6 @@ class LokiAttention:
         self.l = _check_int("l", l, 0, self.k)
         self.last_selection = None
 
-    @classmethod
-    def from_file(cls, path, d, k, l=0, variant="post", model_path=None):
-        from sparq_cpp.calib.projection import read_projection
-
-        return cls(read_projection(path, model_path=model_path, variant=variant), d, k, l)
-
     def rotate(self, q, k, layer):
         """(q', k'): q [n_q, n_head, D] and k [n_kv, n_head_kv, D] in the layer's basis, float32."""
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < len(self.P):
