@@ -1,9 +1,20 @@
-"""Helpers shared by test files."""
+"""Helpers shared by test files: GGUF rewriting, text, the `sparq-cpp` command and server, op inputs
+and tolerances, models run in llama.cpp. Nothing here imports llama_cpp or the patched libraries at
+import time, so a test file can import from it before or after its own skip."""
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+# ---- GGUF files -------------------------------------------------------------------------------
+
 
 
 def rewrite_gguf(src, dst, changes: dict | None = None, drop=()) -> Path:
@@ -71,3 +82,210 @@ def retag_gguf(src, dst, arch: str, extra: dict | None = None, extra_tensors: di
     w.write_tensors_to_file()
     w.close()
     return Path(dst)
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+_WORDS = ("the of and to a in is it you that he was for on are with as his they be at one have this from "
+          "or had by hot word but what some we can out other were all there when up use your how said an "
+          "each she which do their time if will way about many then them write would like so these her").split()
+
+
+def calibration_text(n_words=3000, seed=0) -> str:
+    """Deterministic text of common words (the synthetic models' vocabulary has them as pieces)."""
+    rng = np.random.default_rng(seed)
+    words = rng.choice(_WORDS, n_words)
+    return "\n".join(" ".join(words[i:i + 12]) + "." for i in range(0, n_words, 12))
+
+
+# ---- the sparq-cpp command and server ---------------------------------------------------------
+
+def run_cli(*args, timeout=300, **kw):
+    """`sparq-cpp ARGS` in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "sparq_cpp.cli.main", *args],
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def assert_one_line_error(proc, *needles):
+    """Exit status 2 and one error line holding every needle, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.lower().startswith("error:")]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+SERVER_N_CTX = 1024
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`sparq-cpp serve` on a free port of 127.0.0.1 (its arguments after the model's), up and healthy."""
+
+    def __init__(self, model, *args, tmp_path=None):
+        self.port = _free_port()
+        extra = ["--", "--slot-save-path", str(tmp_path)] if tmp_path is not None else []
+        self.log = open(tmp_path / f"server-{self.port}.log" if tmp_path else "/dev/null", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sparq_cpp.cli.main", "serve", "--gguf", str(model), "--port", str(self.port),
+             "--ctx-size", str(SERVER_N_CTX), "--threads", "2", *args, *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        t0 = time.time()
+        while time.time() - t0 < 60:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}: {self.text()[-1500:]}"
+            try:
+                if self.get("/health").get("status") == "ok":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not come up within 60 s")
+
+    def text(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def _req(self, path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=120)
+
+    def get(self, path):
+        with self._req(path) as r:
+            return json.load(r)
+
+    def post(self, path, body):
+        with self._req(path, body) as r:
+            return json.load(r)
+
+    def stream(self, path, body):
+        """The data events of a streamed response, parsed."""
+        events = []
+        with self._req(path, {**body, "stream": True}) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+        return events
+
+    def complete(self, prompt, n=12, **kw):
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw}
+        return self.post("/v1/completions", body)["choices"][0]["text"]
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def assert_slot_restore_continues(server, prompt, n, filename):
+    """Slot 0 saved after `prompt`, then erased and restored: it continues with the tokens it gave before."""
+    first = server.complete(prompt, n=n, id_slot=0, cache_prompt=True)
+    assert server.post("/slots/0?action=save", {"filename": filename})["n_saved"] > 0
+    cont = {"id_slot": 0, "cache_prompt": True}
+    want = server.complete(prompt + first, n=n, **cont)
+    server.post("/slots/0?action=erase", {})
+    assert server.post("/slots/0?action=restore", {"filename": filename})["n_restored"] > 0
+    assert server.complete(prompt + first, n=n, **cont) == want
+
+
+# ---- op inputs --------------------------------------------------------------------------------
+
+# SPEC "Numerical contract": max|diff| <= tol * max|y| of an op against the reference, by cache type
+OP_TOL = {"f32": 1e-5, "f16": 1e-3, "q8_0": 1e-3}
+
+
+def make_cache(rng, n_kv, n_seq=1, hole_frac=0.0, shuffle=False):
+    """Cell -> (sequence, position). Cells of each sequence hold positions 0..n-1, in cell order or
+    shuffled; holes are empty cells (seq -1). Returns seq [n_kv], pos int32 [n_kv]."""
+    seq = rng.integers(0, n_seq, n_kv) if n_seq > 1 else np.zeros(n_kv, dtype=np.int64)
+    if hole_frac > 0:
+        seq[rng.random(n_kv) < hole_frac] = -1
+    pos = np.zeros(n_kv, dtype=np.int32)
+    for s in range(n_seq):
+        cells = np.nonzero(seq == s)[0]
+        p = np.arange(cells.size, dtype=np.int32)
+        if shuffle:
+            rng.shuffle(p)
+        pos[cells] = p
+    pos[seq < 0] = rng.integers(0, max(n_kv, 1), int((seq < 0).sum()))
+    return seq, pos
+
+
+def make_mask(rng, seq, pos, n_q, n_seq=1, causal=False):
+    """Query rows: one per (sequence, position); decode rows see everything of their sequence,
+    causal rows see positions <= their own. Returns mask bool [n_q, n_kv]."""
+    mask = np.zeros((n_q, seq.size), dtype=bool)
+    for t in range(n_q):
+        s = t % n_seq
+        vis = seq == s
+        if causal and vis.any():
+            p_max = pos[vis].max()
+            p_t = p_max - (n_q - 1 - t) // n_seq  # the last rows of the sequence, in order
+            vis &= pos <= p_t
+        mask[t] = vis
+    return mask
+
+
+def make_qkv(rng, n_q, n_head, n_head_kv, D, n_kv, kind="random"):
+    if kind == "random":
+        q = rng.standard_normal((n_q, n_head, D))
+        k = rng.standard_normal((n_kv, n_head_kv, D))
+    elif kind == "planted":
+        # heavy-tailed queries, keys mostly noise plus a few aligned with the group's queries
+        q = rng.standard_t(2.0, (n_q, n_head, D))
+        q /= np.abs(q).max(axis=-1, keepdims=True) / 3.0
+        k = 0.5 * rng.standard_normal((n_kv, n_head_kv, D))
+        g = n_head // n_head_kv
+        for h in range(n_head_kv):
+            qa = q[:, h * g:(h + 1) * g].mean(axis=(0, 1))
+            hot = rng.choice(n_kv, size=min(8, n_kv), replace=False)
+            k[hot, h] += 2.0 * qa / np.linalg.norm(qa) * np.sqrt(D) * rng.uniform(0.5, 1.0, (hot.size, 1))
+    else:
+        raise ValueError(kind)
+    v = rng.standard_normal((n_kv, n_head_kv, D))
+    return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
+
+
+def assert_close(y, ref, tol):
+    assert np.all(np.isfinite(y))
+    err = np.abs(y - ref).max()
+    bound = tol * max(np.abs(ref).max(), 1e-30)
+    assert err <= bound, f"max|diff| = {err:.3e} > {bound:.3e}"
+
+
+def identity(D, n_head_kv=1):
+    """The identity basis, as LokiAttention takes one: [1, n_head_kv, D, D]."""
+    return np.broadcast_to(np.eye(D), (1, n_head_kv, D, D))
+
+
+# ---- models in llama.cpp ----------------------------------------------------------------------
+
+def rel(a, b):
+    """max|a - b| / max|b|."""
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def open_llm(path, attention, n_ctx=512, n_threads=1):
+    """A Llama with an f32 cache and every position's logits."""
+    from sparq_cpp import Llama
+
+    return Llama(path, attention, cache_type="f32", n_ctx=n_ctx, n_batch=256, n_ubatch=256,
+                 logits_all=True, n_threads=n_threads, n_threads_batch=n_threads, seed=0)
+
+
+def tokens(n, seed=0):
+    """BOS and n - 1 random tokens of the synthetic models' vocabulary."""
+    return [1] + np.random.default_rng(seed).integers(3, 2048, size=n - 1).tolist()

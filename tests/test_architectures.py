@@ -15,9 +15,7 @@ from sparq_cpp.pyext import sparse_api  # noqa: E402
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from conftest import retag_gguf  # noqa: E402
-from test_calibrate import calibration_text  # noqa: E402
-from test_cli import assert_one_line_error, run  # noqa: E402
+from conftest import assert_one_line_error, calibration_text, retag_gguf, run_cli  # noqa: E402
 
 from sparq_cpp import Dense, Llama, Loki, SparQ, SparqError  # noqa: E402
 from sparq_cpp.calib import calibrate, read_projection, write_projection  # noqa: E402
@@ -312,7 +310,7 @@ def test_cli_refuses_what_sparse_attention_cannot_run_on(refused_models, tmp_pat
     ]
     for i, (needle, path) in enumerate(kinds.items()):
         args, message = commands[i % len(commands)]
-        assert_one_line_error(run(args[0], "--gguf", str(path), *args[1:]), message, needle)
+        assert_one_line_error(run_cli(args[0], "--gguf", str(path), *args[1:]), message, needle)
 
 
 def test_dense_is_not_refused_by_the_checks(refused_models):
@@ -334,7 +332,7 @@ def test_cli_generate_runs_the_families(models, preset):
     path, _ = models(preset)
     assert check_gguf(path).sparse_refusal is None
     for args in ((), ("--r", "8", "--k", "16")):
-        proc = run("generate", "--gguf", str(path), "-n", "4", "--prompt", "hello there", "--temp", "0", *args)
+        proc = run_cli("generate", "--gguf", str(path), "-n", "4", "--prompt", "hello there", "--temp", "0", *args)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("hello there")
 
@@ -354,7 +352,7 @@ def test_embedding_a_projection_is_refused_where_llama_cpp_would_not_load_it(mod
         embed_projection(tmp_path / "e.gguf", pca, path, ctx_size=CTX)
     assert not (tmp_path / "e.gguf").exists()
     (tmp_path / "text.txt").write_text(calibration_text(200))
-    assert_one_line_error(run("calibrate", "--gguf", str(path), "--text", str(tmp_path / "text.txt"), "--embed"),
+    assert_one_line_error(run_cli("calibrate", "--gguf", str(path), "--text", str(tmp_path / "text.txt"), "--embed"),
                           "llama models only, not qwen3")
 
 
@@ -508,22 +506,22 @@ def test_make_model_cli_writes_the_families(tmp_path):
     import gguf
 
     out = tmp_path / "g.gguf"
-    proc = run("make-model", "--preset", "tiny-qwen3", "--key-length", "96", "--wtype", "q8_0", "--out", str(out),
-               "--no-progress")
+    proc = run_cli("make-model", "--preset", "tiny-qwen3", "--key-length", "96", "--wtype", "q8_0", "--out", str(out),
+                   "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "preset tiny-qwen3 (qwen3)" in proc.stdout and "head_dim 96" in proc.stdout
     fields = gguf.GGUFReader(out).fields
     assert fields["general.architecture"].contents() == "qwen3"
     assert fields["qwen3.attention.key_length"].contents() == 96
     assert check_gguf(out).head_dim == 96
-    assert_one_line_error(run("make-model", "--preset", "tiny-phi3", "--key-length", "64", "--out", str(out)),
+    assert_one_line_error(run_cli("make-model", "--preset", "tiny-phi3", "--key-length", "64", "--out", str(out)),
                           "key_length: phi3 needs n_head * key_length == n_embd")
 
 
 def test_serve_gemma3_sparse_with_slot_save_restore(models, tmp_path):
     """llama-server with SparQ on gemma3 (sparse full layers, dense window layers): /props reports it, and a
     slot saved and restored continues exactly as before (the iSWA cache's K^T copy and V sums come back)."""
-    from test_serve import Server, assert_slot_restore_continues
+    from conftest import Server, assert_slot_restore_continues
 
     path, _ = models("tiny-gemma3")
     s = Server(path, "--r", "8", "--k", "16", "--l", "4", tmp_path=tmp_path)

@@ -18,8 +18,7 @@ if not go.has_sparq_attn():
 import op_runner as orun  # noqa: E402
 from sparq_cpp.reference.attention import DenseAttention, SparQAttention  # noqa: E402
 from sparq_cpp.reference.loki import LokiAttention  # noqa: E402
-from test_loki_op import identity  # noqa: E402
-from test_sparq_op import TOL, assert_close, make_cache, make_mask, make_qkv  # noqa: E402
+from conftest import OP_TOL, assert_close, identity, make_cache, make_mask, make_qkv  # noqa: E402
 
 MISSING = orun.missing_tools()
 needs_cross = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)}")
@@ -78,7 +77,7 @@ def test_sparq_matches_reference_on_aarch64(arm, kind, D, g, kv_type):
     kt_type = "f32" if kv_type == "q8_0" else None  # rank the same numbers as the reference
     y, kv, vv = orun.sparq_attn(arm, q, k, v, mask, pos, scale, 16, 64, 16, kv_type=kv_type, kt_type=kt_type,
                                 kt_pad=3)
-    assert_close(y, SparQAttention(16, 64, 16, True)(q, kv, vv, mask, pos, scale), TOL[kv_type])
+    assert_close(y, SparQAttention(16, 64, 16, True)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
 
 
 @slow
@@ -93,7 +92,7 @@ def test_loki_matches_reference_on_aarch64(arm, kind, g, kv_type):
     mask = make_mask(rng, seq, pos, 1)
     scale = 1.0 / np.sqrt(D)
     y, kv, vv = orun.loki_attn(arm, q, k, v, mask, pos, scale, 32, 64, 0, kv_type=kv_type)
-    assert_close(y, LokiAttention(identity(D, n_head_kv), 32, 64, 0)(q, kv, vv, mask, pos, scale), TOL[kv_type])
+    assert_close(y, LokiAttention(identity(D, n_head_kv), 32, 64, 0)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
 
 
 @slow
@@ -112,7 +111,7 @@ def test_sequences_holes_causal_rows_on_aarch64(arm, kv_type, mean_value):
     for nt in (1, 3):
         y, kv, vv = orun.sparq_attn(arm, q, k, v, mask, pos, scale, 16, 96, 24, mean_value, kv_type=kv_type,
                                     kt_type=kt_type, n_threads=nt)
-        assert_close(y, SparQAttention(16, 96, 24, mean_value)(q, kv, vv, mask, pos, scale), TOL[kv_type])
+        assert_close(y, SparQAttention(16, 96, 24, mean_value)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
         ys.append(y)
     assert np.array_equal(ys[0], ys[1])
 
@@ -127,6 +126,6 @@ def test_all_visible_selected_equals_dense_on_aarch64(arm, kv_type):
     mask = make_mask(rng, seq, pos, n_q, n_seq=2)
     scale = 1.0 / np.sqrt(D)
     y, kv, vv = orun.sparq_attn(arm, q, k, v, mask, pos, scale, 4, n_kv, 8, kv_type=kv_type)
-    assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), TOL[kv_type])
+    assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
     y, kv, vv = orun.loki_attn(arm, q, k, v, mask, pos, scale, 8, n_kv, 0, kv_type=kv_type)
-    assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), TOL[kv_type])
+    assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])

@@ -223,7 +223,7 @@ def test_seq_state_file_round_trip(models, tmp_path, cache_type):
 @pytest.fixture(scope="module")
 def loki_projection(models, tmp_path_factory):
     from sparq_cpp.calib import calibrate, write_projection
-    from test_calibrate import calibration_text
+    from conftest import calibration_text
 
     path = models["tiny-gqa"]
     pca = calibrate(path, calibration_text(), n_tokens=1024, ctx_size=512, n_threads=2)

@@ -22,20 +22,10 @@ from sparq_cpp.calib.capture import KeyCapture  # noqa: E402
 from sparq_cpp.errors import SparqError  # noqa: E402
 from sparq_cpp.modelfactory import default_model_path, write_model  # noqa: E402
 
+from conftest import calibration_text  # noqa: E402
+
 CTX = 512
 N_TOKENS = 2048
-_WORDS = ("the of and to a in is it you that he was for on are with as his they be at one have this from "
-          "or had by hot word but what some we can out other were all there when up use your how said an "
-          "each she which do their time if will way about many then them write would like so these her").split()
-
-
-def calibration_text(n_words=3000, seed=0) -> str:
-    """Deterministic text of common words (the synthetic models' vocabulary has them as pieces)."""
-    rng = np.random.default_rng(seed)
-    words = rng.choice(_WORDS, n_words)
-    return "\n".join(" ".join(words[i:i + 12]) + "." for i in range(0, n_words, 12))
-
-
 @pytest.fixture(scope="module")
 def text():
     return calibration_text()

@@ -1,29 +1,13 @@
 """The `sparq-cpp` command: generate and info work; bad input gives one clear line and exit 2."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("llama_cpp")
 
 from sparq_cpp.modelfactory import default_model_path  # noqa: E402
 
-
-def run(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "sparq_cpp.cli.main", *args],
-                          capture_output=True, text=True, timeout=300, **kw)
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    err = proc.stderr.strip()
-    assert "Traceback" not in err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
+from conftest import assert_one_line_error, run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,40 +16,40 @@ def tiny():
 
 
 def test_generate_streams_and_reports_speed(tiny):
-    proc = run("generate", "--gguf", str(tiny), "-n", "8", "--prompt", "hello there", "--seed", "1")
+    proc = run_cli("generate", "--gguf", str(tiny), "-n", "8", "--prompt", "hello there", "--seed", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("hello there")
     assert "prompt" in proc.stderr and "decode" in proc.stderr and "ms/token" in proc.stderr
 
 
 def test_generate_greedy_is_deterministic(tiny):
-    a = run("generate", "--gguf", str(tiny), "-n", "6", "--temp", "0", "--prompt", "abc")
-    b = run("generate", "--gguf", str(tiny), "-n", "6", "--temp", "0", "--prompt", "abc")
+    a = run_cli("generate", "--gguf", str(tiny), "-n", "6", "--temp", "0", "--prompt", "abc")
+    b = run_cli("generate", "--gguf", str(tiny), "-n", "6", "--temp", "0", "--prompt", "abc")
     assert a.returncode == 0 and a.stdout == b.stdout
 
 
 def test_generate_prompt_file(tiny, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("a prompt from a file")
-    proc = run("generate", "--gguf", str(tiny), "-n", "2", "--prompt-file", str(f))
+    proc = run_cli("generate", "--gguf", str(tiny), "-n", "2", "--prompt-file", str(f))
     assert proc.returncode == 0 and proc.stdout.startswith("a prompt from a file")
 
 
 def test_missing_model(tmp_path):
-    assert_one_line_error(run("generate", "--gguf", str(tmp_path / "nope.gguf")), "not found")
+    assert_one_line_error(run_cli("generate", "--gguf", str(tmp_path / "nope.gguf")), "not found")
 
 
 def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"PK\x03\x04 this is a zip, not a model" * 10)
-    assert_one_line_error(run("generate", "--gguf", str(p)), "not a GGUF")
+    assert_one_line_error(run_cli("generate", "--gguf", str(p)), "not a GGUF")
 
 
 def test_truncated_gguf(tiny, tmp_path):
     p = tmp_path / "cut.gguf"
     data = tiny.read_bytes()
     p.write_bytes(data[: len(data) // 2])
-    assert_one_line_error(run("generate", "--gguf", str(p)), "truncated")
+    assert_one_line_error(run_cli("generate", "--gguf", str(p)), "truncated")
 
 
 def test_other_architecture_missing_its_keys(tmp_path):
@@ -82,29 +66,29 @@ def test_other_architecture_missing_its_keys(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert_one_line_error(run("generate", "--gguf", str(p)), "missing key gpt2.attention.head_count")
+    assert_one_line_error(run_cli("generate", "--gguf", str(p)), "missing key gpt2.attention.head_count")
 
 
 def test_prompt_longer_than_context(tiny):
-    proc = run("generate", "--gguf", str(tiny), "--ctx-size", "32", "-n", "4",
-               "--prompt", "word " * 200)
+    proc = run_cli("generate", "--gguf", str(tiny), "--ctx-size", "32", "-n", "4",
+                   "--prompt", "word " * 200)
     assert_one_line_error(proc, "--ctx-size 32")
 
 
 @pytest.mark.parametrize("n", ["0", "-3"])
 def test_bad_n(tiny, n):
-    assert_one_line_error(run("generate", "--gguf", str(tiny), "-n", n), "-n must be >= 1")
+    assert_one_line_error(run_cli("generate", "--gguf", str(tiny), "-n", n), "-n must be >= 1")
 
 
 def test_prompt_and_prompt_file_conflict(tiny, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("x")
-    assert_one_line_error(run("generate", "--gguf", str(tiny), "-p", "a", "-f", str(f)), "not both")
+    assert_one_line_error(run_cli("generate", "--gguf", str(tiny), "-p", "a", "-f", str(f)), "not both")
 
 
 @pytest.mark.build
 def test_info():
-    proc = run("info")
+    proc = run_cli("info")
     assert proc.returncode == 0, proc.stderr
     for word in ("llama-cpp-python 0.3.36", "patch series", "backends", "CPU", "cpu features"):
         assert word in proc.stdout, word

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_cli
 from sparq_cpp.dequantize import dequantize_gguf
 from sparq_cpp.errors import SparqError
 
@@ -16,8 +15,7 @@ DEMO = Path(__file__).resolve().parents[1] / "models" / "austen.q8_0.gguf"
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "sparq_cpp.cli.main", *args], capture_output=True, text=True,
-                          timeout=600)
+    return run_cli(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")

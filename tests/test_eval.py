@@ -4,8 +4,6 @@ written, and bad input gives clear errors."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from sparq_cpp.pyext import sparse_api  # noqa: E402
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
+from conftest import assert_one_line_error, run_cli  # noqa: E402
 from sparq_cpp.errors import SparqError  # noqa: E402
 from sparq_cpp.evaluation import results, runner, sweep, tasks  # noqa: E402
 from sparq_cpp.evaluation.methods import MethodSpec, parse_methods  # noqa: E402
@@ -300,32 +299,21 @@ def test_unknown_method_and_backend():
                                                     MethodSpec("h2o", "ref")]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "sparq_cpp.cli.main", "eval", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
-def _one_error_line(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
 def test_cli(models, tmp_path):
     m = str(models["tiny"])
-    _one_error_line(_cli("--gguf", m, "--methods", "dense,magic"), "unknown method 'magic'")
-    _one_error_line(_cli("--gguf", m, "--local", "3/2"), "--local must be in [0, 1]")
-    _one_error_line(_cli("--gguf", m, "--local", "half"), "--local must be a number")
-    _one_error_line(_cli("--gguf", m, "--tasks", "bpc", "--context", "9000"), "longer than the model's context")
+    assert_one_line_error(run_cli("eval", "--gguf", m, "--methods", "dense,magic"), "unknown method 'magic'")
+    assert_one_line_error(run_cli("eval", "--gguf", m, "--local", "3/2"), "--local must be in [0, 1]")
+    assert_one_line_error(run_cli("eval", "--gguf", m, "--local", "half"), "--local must be a number")
+    assert_one_line_error(run_cli("eval", "--gguf", m, "--tasks", "bpc", "--context", "9000"),
+                          "longer than the model's context")
     bad = tmp_path / "n.txt"
     bad.write_text("no header at all\n")
-    _one_error_line(_cli("--gguf", m, "--tasks", "needle", "--data", f"needle={bad}"), "needle task file", str(bad))
-    _one_error_line(_cli("--gguf", m, "--tasks", "bpc", "--data", f"kv={bad}"), "not among --tasks")
-    proc = _cli("--gguf", m, "--tasks", "bpc", "--methods", "dense,sparq,lm-infinite", "--ratios", "1,1/2",
-                "--samples", "1", "--context", "200", "--continuation", "16", "--threads", "1", "--no-progress",
-                "--json", str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png"))
+    assert_one_line_error(run_cli("eval", "--gguf", m, "--tasks", "needle", "--data", f"needle={bad}"),
+                          "needle task file", str(bad))
+    assert_one_line_error(run_cli("eval", "--gguf", m, "--tasks", "bpc", "--data", f"kv={bad}"), "not among --tasks")
+    proc = run_cli("eval", "--gguf", m, "--tasks", "bpc", "--methods", "dense,sparq,lm-infinite", "--ratios", "1,1/2",
+                   "--samples", "1", "--context", "200", "--continuation", "16", "--threads", "1", "--no-progress",
+                   "--json", str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png"))
     assert proc.returncode == 0, proc.stderr
     assert "lm-infinite" in proc.stdout and "(0.4" in proc.stdout
     assert len(json.loads((tmp_path / "e.json").read_text())["records"]) == 3

@@ -79,7 +79,7 @@ def base(tmp_path_factory):
     model = write_model(root / "small.gguf", "tiny-gqa", layers=1, wtype="f32", seed=9, n_embd=256, n_head=4,
                         n_head_kv=2, n_ff=256, n_vocab=512, n_ctx_train=512)
     from sparq_cpp.calib import calibrate, write_projection
-    from test_calibrate import calibration_text
+    from conftest import calibration_text
 
     pca = calibrate(model, calibration_text(), n_tokens=256, ctx_size=256, n_threads=1)
     proj = write_projection(root / "small.loki.gguf", pca, model, ctx_size=256)

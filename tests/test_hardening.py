@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import rewrite_gguf
+from conftest import assert_one_line_error, rewrite_gguf, run_cli
 from sparq_cpp.attention import Loki, SparQ
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf
@@ -20,20 +20,6 @@ from sparq_cpp.modelfactory import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_PROJECTION = ROOT / "models" / "austen.loki.gguf"
-
-
-def run(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "sparq_cpp.cli.main", *args],
-                          capture_output=True, text=True, timeout=120, **kw)
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.lower().startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +77,7 @@ def test_check_gguf_refuses_what_llama_cpp_would_divide_by_or_abort_on(tiny, tmp
 ])
 def test_cli_gives_one_line_for_a_bad_geometry(tiny, tmp_path, changes, message):
     bad = rewrite_gguf(tiny, tmp_path / "bad.gguf", changes)
-    assert_one_line_error(run("generate", "--gguf", str(bad), "-n", "2"), message)
+    assert_one_line_error(run_cli("generate", "--gguf", str(bad), "-n", "2"), message)
 
 
 def test_projection_with_a_fingerprint_that_is_not_utf8(tmp_path):
@@ -122,8 +108,8 @@ def test_eval_on_a_model_llama_cpp_rejects(tiny, tmp_path):
     bad = rewrite_gguf(tiny, tmp_path / "bad.gguf", {"tokenizer.ggml.model": "no-such-tokenizer"})
     with pytest.raises(SparqError, match="llama.cpp could not load the tokenizer of"):
         Tokenizer(bad)
-    assert_one_line_error(run("eval", "--gguf", str(bad), "--tasks", "bpc", "--methods", "dense", "--samples", "1",
-                              "--context", "64", "--continuation", "8", "--no-progress"),
+    assert_one_line_error(run_cli("eval", "--gguf", str(bad), "--tasks", "bpc", "--methods", "dense", "--samples", "1",
+                                  "--context", "64", "--continuation", "8", "--no-progress"),
                           "could not load the tokenizer")
 
 
@@ -178,7 +164,7 @@ def test_dequantize_refuses_an_unsupported_model_before_writing(tiny, tmp_path):
     with pytest.raises(SparqError, match="bad.gguf: llama.attention.head_count must be >= 1"):
         dequantize_gguf(bad, out)
     assert list(out.parent.iterdir()) == []
-    proc = run("dequantize", str(bad), "--out", str(out))
+    proc = run_cli("dequantize", str(bad), "--out", str(out))
     assert_one_line_error(proc, "bad.gguf", "head_count")
     assert "copy.gguf" not in proc.stderr and list(out.parent.iterdir()) == []
 
@@ -200,7 +186,7 @@ def test_dequantize_checks_memory_and_disk_first(tiny, tmp_path, monkeypatch):
 
 def test_make_model_does_not_create_directories(tmp_path):
     out = tmp_path / "no" / "such" / "m.gguf"
-    assert_one_line_error(run("make-model", "--out", str(out), "--no-progress"),
+    assert_one_line_error(run_cli("make-model", "--out", str(out), "--no-progress"),
                           f"--out: directory {out.parent} does not exist")
     assert not (tmp_path / "no").exists()
 
@@ -208,7 +194,7 @@ def test_make_model_does_not_create_directories(tmp_path):
 @pytest.mark.parametrize("option", ["--json", "--plot"])
 def test_eval_does_not_create_directories(tmp_path, option):
     out = tmp_path / "no" / "such" / "result"
-    assert_one_line_error(run("eval", option, str(out), "--gguf", str(tmp_path / "missing.gguf")),
+    assert_one_line_error(run_cli("eval", option, str(out), "--gguf", str(tmp_path / "missing.gguf")),
                           f"{option}: directory {out.parent} does not exist")
     assert not (tmp_path / "no").exists()
 
@@ -216,7 +202,7 @@ def test_eval_does_not_create_directories(tmp_path, option):
 # ---- resources -------------------------------------------------------------------------------------
 
 def test_make_model_larger_than_memory_is_refused_up_front(tmp_path):
-    proc = run("make-model", "--out", str(tmp_path / "m.gguf"), "--n-ff", str(2**34), "--no-progress")
+    proc = run_cli("make-model", "--out", str(tmp_path / "m.gguf"), "--n-ff", str(2**34), "--no-progress")
     assert_one_line_error(proc, "needs about", "of memory", "blk.0.ffn_gate.weight", "is available")
     assert list(tmp_path.iterdir()) == []
 
@@ -242,7 +228,7 @@ def test_write_model_checks_the_disk(tmp_path, monkeypatch):
 
 
 def test_more_layers_than_llama_cpp_loads(tmp_path):
-    assert_one_line_error(run("make-model", "--out", str(tmp_path / "m.gguf"), "--layers", "513"),
+    assert_one_line_error(run_cli("make-model", "--out", str(tmp_path / "m.gguf"), "--layers", "513"),
                           "llama.cpp loads at most 512 layers")
 
 
@@ -270,13 +256,13 @@ def test_more_layers_than_llama_cpp_loads(tmp_path):
 def test_option_values_are_checked(tmp_path, args, option):
     missing = ["--gguf", str(tmp_path / "missing.gguf")] if args[0] in ("generate", "eval") else \
         ["--model", str(tmp_path / "missing.gguf")] if args[0] == "bench" else []
-    proc = run(*args, *missing)
+    proc = run_cli(*args, *missing)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"Invalid value for '{option}'" in proc.stderr or f"/ '{option}'" in proc.stderr, proc.stderr
 
 
 def test_generate_refuses_a_k_that_does_not_fit_an_int32(tmp_path):
-    assert_one_line_error(run("generate", "--gguf", str(tmp_path / "missing.gguf"), "--k", str(2**32 + 5)),
+    assert_one_line_error(run_cli("generate", "--gguf", str(tmp_path / "missing.gguf"), "--k", str(2**32 + 5)),
                           "k must be in", "4294967301")
 
 

@@ -12,8 +12,7 @@ from sparq_cpp.pyext import sparse_api  # noqa: E402
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from test_calibrate import calibration_text  # noqa: E402
-from test_sparq_model import open_llm, rel, tokens  # noqa: E402 (the same model helpers as SparQ's tests)
+from conftest import calibration_text, open_llm, rel, tokens  # noqa: E402
 
 from sparq_cpp import Dense, Llama, Loki, SparQ, SparqError  # noqa: E402
 from sparq_cpp.calib import calibrate, embed_projection, read_projection, write_projection  # noqa: E402
@@ -233,21 +232,22 @@ def test_stock_tool_runs_loki_from_env(models):
 
 
 def test_generate_cli_with_loki(models):
-    from test_cli import assert_one_line_error, run
+    from conftest import assert_one_line_error, run_cli
 
     path, proj, _ = models["tiny"]
-    ok = run("generate", "--gguf", str(path), "-n", "8", "--prompt", "hello there", "--temp", "0",
-             "--attn", "loki", "--d", "16", "--k", "32", "--loki-pca", str(proj))
+    ok = run_cli("generate", "--gguf", str(path), "-n", "8", "--prompt", "hello there", "--temp", "0",
+                 "--attn", "loki", "--d", "16", "--k", "32", "--loki-pca", str(proj))
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("hello there")
     assert "loki" in ok.stderr and "dense reads" in ok.stderr
     # --d alone selects Loki; the model has no embedded projection
-    assert_one_line_error(run("generate", "--gguf", str(path), "-n", "2", "--d", "16"), "needs a projection")
-    assert_one_line_error(run("generate", "--gguf", str(path), "-n", "2", "--d", "0", "--loki-pca", str(proj)),
+    assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "16"), "needs a projection")
+    assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "0", "--loki-pca", str(proj)),
                           "d must be in 1..64")
-    assert_one_line_error(run("generate", "--gguf", str(path), "-n", "2", "--r", "4", "--d", "16"), "pick one --attn")
-    assert_one_line_error(run("generate", "--gguf", str(path), "-n", "2", "--attn", "loki", "--loki-pca",
-                              str(models["tiny-gqa"][1])), "made for")
+    assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--r", "4", "--d", "16"),
+                          "pick one --attn")
+    assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--attn", "loki", "--loki-pca",
+                                  str(models["tiny-gqa"][1])), "made for")
 
 
 @pytest.mark.parametrize("cache_type, tol", [("f16", 2e-3), ("q8_0", 3e-2)])

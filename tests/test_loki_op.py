@@ -18,11 +18,7 @@ if not go.has_sparq_attn():
     pytest.skip("the ggml build has no SPARSE_ATTN op (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
-from test_sparq_op import TOL, assert_close, make_cache, make_mask, make_qkv  # noqa: E402 (after the skip)
-
-
-def identity(D, n_head_kv=1):
-    return np.broadcast_to(np.eye(D), (1, n_head_kv, D, D))
+from conftest import OP_TOL, assert_close, identity, make_cache, make_mask, make_qkv  # noqa: E402
 
 
 def random_basis(rng, n_head_kv, D):
@@ -51,7 +47,7 @@ def test_matches_reference(kind, D, g, kv_type):
     seq, pos = make_cache(rng, n_kv)
     mask = make_mask(rng, seq, pos, 1)
     y, ref = run_both(q, k, v, mask, pos, 32, 64, 0, kv_type=kv_type)
-    assert_close(y, ref, TOL[kv_type])
+    assert_close(y, ref, OP_TOL[kv_type])
 
 
 def selection_margin(q, k, pos, d, top_k, l, scale):
@@ -92,7 +88,7 @@ def test_parameter_sweep(d, top_k, l_mode):
         pytest.fail("no input without a near-tie in 20 tries")
     mask = np.ones((1, n_kv), dtype=bool)
     y, ref = run_both(q, k, v, mask, pos, d, top_k, l)
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
@@ -103,7 +99,7 @@ def test_sequences_holes_shuffled_batches(kv_type):
     seq, pos = make_cache(rng, n_kv, n_seq=3, hole_frac=0.1, shuffle=True)
     mask = make_mask(rng, seq, pos, n_q, n_seq=3)
     y, ref = run_both(q, k, v, mask, pos, 16, 100, 20, kv_type=kv_type)
-    assert_close(y, ref, TOL[kv_type])
+    assert_close(y, ref, OP_TOL[kv_type])
 
 
 def test_prompt_batch_causal():
@@ -113,7 +109,7 @@ def test_prompt_batch_causal():
     seq, pos = make_cache(rng, n_kv)
     mask = make_mask(rng, seq, pos, n_q, causal=True)
     y, ref = run_both(q, k, v, mask, pos, 8, 50, 5)
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
@@ -127,7 +123,7 @@ def test_d_equals_D_all_selected_equals_dense(kv_type, g):
     mask = make_mask(rng, seq, pos, 2, n_seq=2)
     scale = 1.0 / np.sqrt(D)
     y, kv, vv = go.loki_attn(q, k, v, mask, pos, scale, D, n_kv, 0, kv_type=kv_type, return_values=True)
-    assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), TOL[kv_type])
+    assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
     fa = go.flash_attn_ext(q, k, v, mask, pos, scale, kv_type=kv_type)
     # CPU flash attention rounds Q to f16 and accumulates V in f16 for f16 caches
     assert_close(y, fa, 1e-5 if kv_type == "f32" else 1e-2)
@@ -195,7 +191,7 @@ def test_decode_many_heads():
     pos = np.arange(n_kv, dtype=np.int32)
     mask = np.ones((1, n_kv), dtype=bool)
     y, ref = run_both(q, k, v, mask, pos, 32, 128, 0)
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 @pytest.mark.slow
@@ -211,4 +207,4 @@ def test_long_context(n_kv, kv_type, kind):
     q = np.concatenate([q, q[:, ::-1].copy()])
     for d, top_k, l in ((32, 128, 0), (16, 512, 32), (1, 64, 64)):
         y, ref = run_both(q, k, v, mask, pos, d, top_k, l, kv_type=kv_type)
-        assert_close(y, ref, TOL[kv_type])
+        assert_close(y, ref, OP_TOL[kv_type])

@@ -5,12 +5,6 @@ position against dense, and bad settings refused before the server starts."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -22,76 +16,7 @@ if not sparse_api.available():
 
 from sparq_cpp.modelfactory import write_model  # noqa: E402
 
-N_CTX = 1024
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, *args, tmp_path=None):
-        self.port = _free_port()
-        extra = ["--", "--slot-save-path", str(tmp_path)] if tmp_path is not None else []
-        self.log = open(tmp_path / f"server-{self.port}.log" if tmp_path else "/dev/null", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sparq_cpp.cli.main", "serve", "--gguf", str(model), "--port", str(self.port),
-             "--ctx-size", str(N_CTX), "--threads", "2", *args, *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        t0 = time.time()
-        while time.time() - t0 < 60:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}: {self.text()[-1500:]}"
-            try:
-                if self.get("/health").get("status") == "ok":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the server did not come up within 60 s")
-
-    def text(self):
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def _req(self, path, body=None):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
-        return urllib.request.urlopen(req, timeout=120)
-
-    def get(self, path):
-        with self._req(path) as r:
-            return json.load(r)
-
-    def post(self, path, body):
-        with self._req(path, body) as r:
-            return json.load(r)
-
-    def stream(self, path, body):
-        """The data events of a streamed response, parsed."""
-        events = []
-        with self._req(path, {**body, "stream": True}) as r:
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-        return events
-
-    def complete(self, prompt, n=12, **kw):
-        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw}
-        return self.post("/v1/completions", body)["choices"][0]["text"]
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
+from conftest import SERVER_N_CTX, Server, assert_slot_restore_continues, run_cli  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -136,17 +61,6 @@ def test_several_slots_at_once(sparq_server):
     assert [r["usage"]["completion_tokens"] for r in res] == [12] * len(PROMPTS)
 
 
-def assert_slot_restore_continues(server, prompt, n, filename):
-    """Slot 0 saved after `prompt`, then erased and restored: it continues with the tokens it gave before."""
-    first = server.complete(prompt, n=n, id_slot=0, cache_prompt=True)
-    assert server.post("/slots/0?action=save", {"filename": filename})["n_saved"] > 0
-    cont = {"id_slot": 0, "cache_prompt": True}
-    want = server.complete(prompt + first, n=n, **cont)
-    server.post("/slots/0?action=erase", {})
-    assert server.post("/slots/0?action=restore", {"filename": filename})["n_restored"] > 0
-    assert server.complete(prompt + first, n=n, **cont) == want
-
-
 def test_slot_save_restore_continues_exactly(sparq_server):
     assert_slot_restore_continues(sparq_server, "It was the best of times, it was the worst of times", 16, "slot0.bin")
 
@@ -157,7 +71,7 @@ def test_every_position_selected_gives_dense_text(model, tmp_path):
         want = [dense.complete(p, n=16) for p in PROMPTS]
     finally:
         dense.close()
-    full = Server(model, "--r", "64", "--k", str(N_CTX), "--l", "0", "--cache-type", "f32", tmp_path=tmp_path)
+    full = Server(model, "--r", "64", "--k", str(SERVER_N_CTX), "--l", "0", "--cache-type", "f32", tmp_path=tmp_path)
     try:
         got = [full.complete(p, n=16) for p in PROMPTS]
     finally:
@@ -172,6 +86,5 @@ def test_every_position_selected_gives_dense_text(model, tmp_path):
     (["--d", "8", "--r", "8"], "pick one --attn"),
 ])
 def test_bad_settings_are_refused_before_the_server_starts(model, args, message):
-    proc = subprocess.run([sys.executable, "-m", "sparq_cpp.cli.main", "serve", "--gguf", str(model), *args],
-                          capture_output=True, text=True, timeout=60)
+    proc = run_cli("serve", "--gguf", str(model), *args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -18,6 +18,8 @@ from sparq_cpp.reference.attention import SparQAttention  # noqa: E402
 from sparq_cpp.reference.forward import LlamaReference  # noqa: E402
 from sparq_cpp.reference.gguf_model import load_llama  # noqa: E402
 
+from conftest import open_llm, rel, tokens  # noqa: E402
+
 # f32 cache, every row through SparQ: the op accumulates in f32, the reference in f64.
 TOL = 1e-4
 
@@ -26,19 +28,6 @@ TOL = 1e-4
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("sparq-models")
     return {p: write_model(root / f"{p}.gguf", p, wtype="f32", seed=3) for p in ("tiny", "tiny-gqa")}
-
-
-def rel(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def open_llm(path, attention, n_ctx=512, n_threads=1):
-    return Llama(path, attention, cache_type="f32", n_ctx=n_ctx, n_batch=256, n_ubatch=256,
-                 logits_all=True, n_threads=n_threads, n_threads_batch=n_threads, seed=0)
-
-
-def tokens(n, seed=0):
-    return [1] + np.random.default_rng(seed).integers(3, 2048, size=n - 1).tolist()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])

@@ -17,62 +17,7 @@ if not go.has_sparq_attn():
     pytest.skip("the ggml build has no ggml_sparq_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
-TOL = {"f32": 1e-5, "f16": 1e-3, "q8_0": 1e-3}
-
-
-# inputs
-
-
-def make_cache(rng, n_kv, n_seq=1, hole_frac=0.0, shuffle=False):
-    """Cell -> (sequence, position). Cells of each sequence hold positions 0..n-1, in cell order or
-    shuffled; holes are empty cells (seq -1). Returns seq [n_kv], pos int32 [n_kv]."""
-    seq = rng.integers(0, n_seq, n_kv) if n_seq > 1 else np.zeros(n_kv, dtype=np.int64)
-    if hole_frac > 0:
-        seq[rng.random(n_kv) < hole_frac] = -1
-    pos = np.zeros(n_kv, dtype=np.int32)
-    for s in range(n_seq):
-        cells = np.nonzero(seq == s)[0]
-        p = np.arange(cells.size, dtype=np.int32)
-        if shuffle:
-            rng.shuffle(p)
-        pos[cells] = p
-    pos[seq < 0] = rng.integers(0, max(n_kv, 1), int((seq < 0).sum()))
-    return seq, pos
-
-
-def make_mask(rng, seq, pos, n_q, n_seq=1, causal=False):
-    """Query rows: one per (sequence, position); decode rows see everything of their sequence,
-    causal rows see positions <= their own. Returns mask bool [n_q, n_kv]."""
-    mask = np.zeros((n_q, seq.size), dtype=bool)
-    for t in range(n_q):
-        s = t % n_seq
-        vis = seq == s
-        if causal and vis.any():
-            p_max = pos[vis].max()
-            p_t = p_max - (n_q - 1 - t) // n_seq  # the last rows of the sequence, in order
-            vis &= pos <= p_t
-        mask[t] = vis
-    return mask
-
-
-def make_qkv(rng, n_q, n_head, n_head_kv, D, n_kv, kind="random"):
-    if kind == "random":
-        q = rng.standard_normal((n_q, n_head, D))
-        k = rng.standard_normal((n_kv, n_head_kv, D))
-    elif kind == "planted":
-        # heavy-tailed queries, keys mostly noise plus a few aligned with the group's queries
-        q = rng.standard_t(2.0, (n_q, n_head, D))
-        q /= np.abs(q).max(axis=-1, keepdims=True) / 3.0
-        k = 0.5 * rng.standard_normal((n_kv, n_head_kv, D))
-        g = n_head // n_head_kv
-        for h in range(n_head_kv):
-            qa = q[:, h * g:(h + 1) * g].mean(axis=(0, 1))
-            hot = rng.choice(n_kv, size=min(8, n_kv), replace=False)
-            k[hot, h] += 2.0 * qa / np.linalg.norm(qa) * np.sqrt(D) * rng.uniform(0.5, 1.0, (hot.size, 1))
-    else:
-        raise ValueError(kind)
-    v = rng.standard_normal((n_kv, n_head_kv, D))
-    return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
+from conftest import OP_TOL, assert_close, make_cache, make_mask, make_qkv  # noqa: E402
 
 
 def run_both(q, k, v, mask, pos, r, top_k, l, mean_value=True, kv_type="f16", kt_type=None, kt_pad=3, n_threads=2,
@@ -83,13 +28,6 @@ def run_both(q, k, v, mask, pos, r, top_k, l, mean_value=True, kv_type="f16", kt
                               kt_pad=kt_pad, n_threads=n_threads, return_values=True)
     ref = SparQAttention(r, top_k, l, mean_value)(q, kv, vv, mask, pos, scale)
     return y, ref
-
-
-def assert_close(y, ref, tol):
-    assert np.all(np.isfinite(y))
-    err = np.abs(y - ref).max()
-    bound = tol * max(np.abs(ref).max(), 1e-30)
-    assert err <= bound, f"max|diff| = {err:.3e} > {bound:.3e}"
 
 
 # against the reference
@@ -109,7 +47,7 @@ def test_matches_reference(kind, D, g, kv_type):
     # q8_0: rank from an f32 copy of the dequantized keys so the op and the reference rank the same numbers
     kt_type = "f32" if kv_type == "q8_0" else None
     y, ref = run_both(q, k, v, mask, pos, 16, 64, 16, kv_type=kv_type, kt_type=kt_type)
-    assert_close(y, ref, TOL[kv_type])
+    assert_close(y, ref, OP_TOL[kv_type])
 
 
 @pytest.mark.parametrize("r", [1, 7, 8, 16, 32, 64])
@@ -123,7 +61,7 @@ def test_parameter_sweep(r, top_k, l_mode):
     seq, pos = make_cache(rng, n_kv, hole_frac=0.1, shuffle=True)
     mask = make_mask(rng, seq, pos, 1)
     y, ref = run_both(q, k, v, mask, pos, r, top_k, l, kv_type="f16")
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 @pytest.mark.parametrize("boost", [30.0, 400.0])
@@ -145,7 +83,7 @@ def test_scores_far_above_the_first_block(boost, g):
     seq, pos = make_cache(rng, n_kv)
     mask = make_mask(rng, seq, pos, 1)
     y, ref = run_both(q, k, v, mask, pos, 16, 64, 16, kv_type="f16")
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 # MHA (g = 1), 8 kv heads: with at least 4 (row, kv head) items per thread the kernel gives each thread whole kv
@@ -167,7 +105,7 @@ def mha_case(seed, n_kv, kind="random", n_q=1):
 def test_mha_per_head_selection_matches_reference(kind, top_k, l):
     q, k, v, mask, pos = mha_case(41 + top_k, 6000, kind, n_q=2)
     y, ref = run_both(q, k, v, mask, pos, 16, top_k, l, kv_type="f16")
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
     scale = 1.0 / np.sqrt(128)
     ys = [go.sparq_attn(q, k, v, mask, pos, scale, 16, top_k, l, True, n_threads=nt) for nt in (1, 2, 3)]
     assert np.array_equal(ys[0], ys[1])
@@ -213,7 +151,7 @@ def test_equal_query_sums_choose_the_lowest_components():
     mask = np.ones((1, n_kv), dtype=bool)
     pos = np.arange(n_kv, dtype=np.int32)
     y, ref = run_both(q, k, v, mask, pos, r, 64, 0, kv_type="f16")
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
     assert y.mean() > 2.0  # the hot cells' values dominate: the first r components were the ones used
 
 
@@ -246,7 +184,7 @@ def test_sequences_holes_shuffled_batches(kv_type, mean_value):
     mask = make_mask(rng, seq, pos, n_q, n_seq=n_seq, causal=True)
     kt_type = "f32" if kv_type == "q8_0" else None
     y, ref = run_both(q, k, v, mask, pos, 16, 96, 24, mean_value, kv_type=kv_type, kt_type=kt_type)
-    assert_close(y, ref, TOL[kv_type])
+    assert_close(y, ref, OP_TOL[kv_type])
 
 
 def test_prompt_batch_causal():
@@ -257,7 +195,7 @@ def test_prompt_batch_causal():
     _, pos = make_cache(rng, n_kv, shuffle=True)
     mask = np.stack([pos <= n_kv - n_q + t for t in range(n_q)])  # row t sees positions <= 336 + t
     y, ref = run_both(q, k, v, mask, pos, 8, 350, 32)
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 def test_empty_row_gives_zero():
@@ -268,7 +206,7 @@ def test_empty_row_gives_zero():
     mask[1] = False
     y, ref = run_both(q, k, v, mask, pos, 8, 32, 8)
     assert np.all(y[1] == 0)
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 def test_vmean_tensor_matches_computed_mean():
@@ -299,7 +237,7 @@ def test_all_visible_selected_equals_dense(kv_type, g):
     scale = 1.0 / np.sqrt(D)
     y, kv, vv = go.sparq_attn(q, k, v, mask, pos, scale, 4, n_kv, 8, True, kv_type=kv_type, return_values=True)
     dense = DenseAttention()(q, kv, vv, mask, pos, scale)
-    assert_close(y, dense, TOL[kv_type])
+    assert_close(y, dense, OP_TOL[kv_type])
     fa = go.flash_attn_ext(q, k, v, mask, pos, scale, kv_type=kv_type)
     # CPU flash attention rounds Q to f16 and accumulates V in f16 for f16 caches
     assert_close(y, fa, 1e-5 if kv_type == "f32" else 1e-2)
@@ -383,7 +321,7 @@ def test_model_scale_not_1_over_sqrt_D():
     pos = np.arange(1000, dtype=np.int32)
     mask = np.ones((1, 1000), dtype=bool)
     y, ref = run_both(q, k, v, mask, pos, 8, 64, 16, scale=0.0625 * 1.7)
-    assert_close(y, ref, TOL["f16"])
+    assert_close(y, ref, OP_TOL["f16"])
 
 
 def test_unusable_lib_dir_raises_sparq_error(monkeypatch, tmp_path):
@@ -432,7 +370,7 @@ def test_long_context(n_kv, kv_type, kind):
     kt_type = "f32" if kv_type == "q8_0" else None
     for r, top_k, l in ((16, 128, 32), (32, 512, 0), (1, 64, 64)):
         y, ref = run_both(q, k, v, mask, pos, r, top_k, l, kv_type=kv_type, kt_type=kt_type)
-        assert_close(y, ref, TOL[kv_type])
+        assert_close(y, ref, OP_TOL[kv_type])
 
 
 @pytest.mark.slow

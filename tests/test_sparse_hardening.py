@@ -82,7 +82,7 @@ def test_malformed_environment_settings_are_refused_in_one_short_line(model, mon
 
 def _projection_with(model, tmp_path, value):
     from sparq_cpp.calib import calibrate, write_projection
-    from test_calibrate import calibration_text
+    from conftest import calibration_text
 
     pca = calibrate(model, calibration_text(), n_tokens=512, ctx_size=256, n_threads=2)
     path = write_projection(tmp_path / "good.loki.gguf", pca, model, ctx_size=256)
