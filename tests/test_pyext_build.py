@@ -13,7 +13,7 @@ import pytest
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import build as pbuild
 from sparq_cpp.pyext import patchtree
-from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, cache_root, fetch_sdist, unpack_sdist, verify_sdist
+from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, fetch_sdist, unpack_sdist, verify_sdist
 
 THROWAWAY_FILE = "README.md"
 
