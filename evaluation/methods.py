@@ -93,11 +93,8 @@ class LlamaSession:
         self.n_prefill = 0
 
     def _loki(self, **kw):
-        from sparq_cpp import attention
+        from sparq_cpp.attention import Loki
 
-        Loki = getattr(attention, "Loki", None)
-        if Loki is None:
-            raise SparqError("this sparq_cpp has no Loki configuration for llama.cpp")
         return Loki(projection=self.loki_projection, **kw)
 
     def _attention(self, params: dict, sparse_rows: bool):

@@ -93,7 +93,6 @@ def _plan(methods, ratios):
 
 def run(cfg: EvalConfig, log=print) -> dict:
     from sparq_cpp.gguf_check import check_gguf, check_sparse
-    from sparq_cpp.pyext import sparse_api
 
     summary = check_gguf(cfg.model_path)
     D = summary.head_dim
@@ -108,11 +107,6 @@ def run(cfg: EvalConfig, log=print) -> dict:
     skipped = []
     methods = []
     for spec in cfg.methods:
-        if spec.method == "loki" and spec.backend == "llama" and not sparse_api.loki_available():
-            msg = "loki on llama.cpp skipped: this build has no Loki runtime (use loki@ref, or rebuild)"
-            log(msg)
-            skipped.append({"method": spec.label, "reason": msg})
-            continue
         if spec.method == "loki" and spec.backend == "ref" and cfg.loki_projection is None:
             raise SparqError("loki on the reference needs --loki-projection FILE (from `sparq-cpp calibrate`)")
         methods.append(spec)

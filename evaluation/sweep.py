@@ -1,4 +1,5 @@
-"""Settings that hit a target compression ratio at sequence length S (docs/spec.md's transfer formulas).
+"""Settings that hit a target compression ratio at sequence length S (docs/spec.md's transfer formulas, read
+from sparq_cpp.transfer: k is the largest whose reads fit, the formulas being linear in k).
 
 Per method (D the head size; dense reads 2*S*D + 2*D per KV head and step):
 - sparq: r = round(target * D) (unless fixed), so ranking takes about half the budget; k from the
@@ -44,14 +45,22 @@ def parse_ratios(text: str) -> list[float]:
     return sorted(set(out), reverse=True)
 
 
-def _split_rank(target, S, D, extra, fixed):
-    """(rank, k) for ranking methods: S*rank + 2*k*D + extra = target * dense."""
+def _largest_k(reads, budget) -> int:
+    """The largest k whose reads (a method's transfer formula at S, in k: a constant plus a multiple of k while
+    k is below S) stay within budget; below 1 when none does."""
+    slope = reads(2) - reads(1)
+    return int((budget - (reads(1) - slope)) // slope)
+
+
+def _split_rank(target, S, D, method, fixed):
+    """(rank, k) for a ranking method: its reads at rank and k within target * dense."""
     budget = target * transfer.dense_elements(S, D)
     if fixed is not None and not 1 <= fixed <= D:  # 0 would otherwise read as "not fixed"
         raise SparqError(f"a fixed r or d must be in 1..{D} (the head size), got {fixed}")
+    formula = transfer.sparq_elements if method == "sparq" else transfer.loki_elements
     ranks = [fixed] if fixed is not None else range(max(1, min(D, round(target * D))), 0, -1)
     for rank in ranks:
-        k = int((budget - S * rank - extra) // (2 * D))
+        k = _largest_k(lambda k: formula(S, D, rank, k), budget)
         if k >= 1:
             return rank, k
     return None
@@ -69,22 +78,23 @@ def settings(method: str, target: float, S: int, D: int, *, r: int | None = None
         return None  # ratio 1 is dense itself
     budget = target * transfer.dense_elements(S, D)
     if method in ("sparq", "loki"):
-        got = _split_rank(target, S, D, 4 * D if method == "sparq" else 2 * D, r if method == "sparq" else d)
+        got = _split_rank(target, S, D, method, r if method == "sparq" else d)
         if got is None:
             return None
         rank, k = got
         return {"r" if method == "sparq" else "d": rank, "k": k, "l": int(k * local) if method == "sparq" else 0}
     if method == "h2o":
-        k = int((budget - 2 * D - 2 * S) // (2 * D))
+        k = _largest_k(lambda k: transfer.h2o_elements(S, D, k), budget)
         return {"k": k, "l": k // 4} if k >= 1 else None
     if method == "lm-infinite":
-        k = int((budget - 2 * D) // (2 * D))
+        k = _largest_k(lambda k: transfer.lm_infinite_elements(S, D, k), budget)
         return {"k": k} if k > 16 else None
     if method == "exact-topk":
         k = int(target * S)
         return {"k": k} if k >= 1 else None
     if method == "alisa":
-        k = int((budget - 2 * D - 2 * S) // (4 * D + 8))
+        # c = (2k + 1)/S, so that ALISA's window at S, floor(S*c/2), is k
+        k = _largest_k(lambda k: transfer.alisa_elements(S, D, (2 * k + 1) / S), budget)
         return {"c": (2 * k + 1) / S, "k": k} if k >= 1 else None
     raise AssertionError(method)
 

@@ -82,11 +82,6 @@ def available() -> bool:
         return False
 
 
-def loki_available() -> bool:
-    """Whether the build has the Loki runtime: every patched build has it (the same as available())."""
-    return available()
-
-
 def default_params() -> llama_sparse_attn_params:
     return _lib().llama_sparse_attn_default_params()
 
