@@ -125,3 +125,37 @@ def test_h2o_and_lm_infinite_lose_retrieval_at_8k(runs):
     assert found["dense"] >= n - 1, f"dense found {found['dense']} of {n}: the check needs a model that retrieves"
     assert found["h2o"] <= found["dense"] - 2, found
     assert found["lm-infinite"] <= found["dense"] - 2, found
+
+
+def test_sparq_and_loki_run_on_smollm2_in_the_stock_tool_and_generate(model, data, tmp_path):
+    """SparQ and Loki on the real model: llama-completion from LLAMA_SPARSE_ATTN (a bad key is refused by
+    name) and `sparq-cpp generate --attn`, whose last step reads the sparse share of the cache."""
+    import re
+    import subprocess
+
+    from conftest import run_cli
+    from sparq_cpp.pyext.build import tool_path
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(Path(data["bpc"]).read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    proc = run_cli("calibrate", "--gguf", str(model), "--text", str(data["bpc"]), "--tokens", "2048", "-c", "1024",
+                   "-t", "2", "-o", str(tmp_path / "p.loki.gguf"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    completion = [str(tool_path("llama-completion")), "-m", str(model), "-fa", "on", "-n", "8", "-f", str(prompt),
+                  "-no-cnv", "-t", "2"]
+    for spec in ("sparq:r=8,k=64,min_n_kv=256", f"loki:d=32,k=64,proj={tmp_path / 'p.loki.gguf'}"):
+        proc = subprocess.run(completion, env=os.environ | {"LLAMA_SPARSE_ATTN": spec}, capture_output=True,
+                              text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (spec, proc.stderr[-2000:])
+        assert "eval time" in proc.stderr
+    proc = subprocess.run(completion, env=os.environ | {"LLAMA_SPARSE_ATTN": "sparq:r=8,bogus=1"}, capture_output=True,
+                          text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0 and proc.returncode > 0
+
+    for attn in (["--attn", "sparq", "--r", "8", "--k", "64"],
+                 ["--attn", "loki", "--d", "32", "--k", "64", "--loki-pca", str(tmp_path / "p.loki.gguf")]):
+        proc = run_cli("generate", "--gguf", str(model), *attn, "--prompt-file", str(prompt), "-n", "8", "-t", "2")
+        assert proc.returncode == 0, (attn, proc.stderr[-2000:])
+        found = re.search(r"\(([0-9.]+) of dense\)", proc.stdout + proc.stderr)
+        assert found and 0 < float(found.group(1)) < 0.5, (proc.stdout + proc.stderr)[-500:]
