@@ -75,11 +75,11 @@ class _Utf8Stream:
               help="KV cache type.")
 @attention_options
 def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type,
-            attn, r, d, k, l, no_mean_value, loki_pca, loki_variant):
+            attn, r, d, k, l, no_mean_value, loki_pca, loki_variant, c):
     """Generate text, streaming it, then print prompt and decode speed."""
     from sparq_cpp.llm import open_model
 
-    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant)
+    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c)
     if n_predict < 1:
         raise SparqError(f"-n must be >= 1, got {n_predict}")
     text = _read_prompt(prompt, prompt_file)
@@ -118,19 +118,28 @@ def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp,
     _report_reads(llm, summary, len(tokens) + generated)
 
 
-def _attention(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post"):
-    from sparq_cpp.attention import Dense, Loki, SparQ
+def _attention(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None):
+    from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 
     sparq_only = r is not None or no_mean_value
     loki_only = d is not None or loki_pca is not None
     shared = k is not None or l is not None
+    if c is not None and (sparq_only or loki_only or shared):
+        raise SparqError("--c is ALISA's setting and --r/--d/--k/--l/--no-mean-value/--loki-pca are SparQ's and Loki's; "
+                         "ALISA takes only --c")
     if attn is None:
         if sparq_only and loki_only:
             raise SparqError("--r/--no-mean-value are SparQ settings and --d/--loki-pca Loki ones; pick one --attn")
-        attn = "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
-    if attn == "dense" and (sparq_only or loki_only or shared):
-        raise SparqError("--r/--d/--k/--l/--no-mean-value/--loki-pca are sparse attention settings; "
-                         "drop them or use --attn sparq or --attn loki")
+        attn = "alisa" if c is not None else "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
+    if attn == "dense" and (sparq_only or loki_only or shared or c is not None):
+        raise SparqError("--r/--d/--k/--l/--c/--no-mean-value/--loki-pca are sparse attention settings; "
+                         "drop them or use --attn sparq, loki or alisa")
+    if attn == "alisa":
+        if sparq_only or loki_only or shared:
+            raise SparqError("--r/--d/--k/--l/--no-mean-value/--loki-pca are SparQ and Loki settings; ALISA takes --c")
+        return ALISA(c=0.125 if c is None else c)
+    if c is not None:
+        raise SparqError("--c is an ALISA setting; use --attn alisa")
     if attn == "sparq" and loki_only:
         raise SparqError("--d/--loki-pca are Loki settings; use --attn loki")
     if attn == "loki" and sparq_only:

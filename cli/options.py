@@ -28,10 +28,11 @@ THREADS_HELP = "Threads (default: all usable cores; at most 4 per logical CPU, a
 
 def attention_options(command):
     """The attention options of `generate` and `serve`: --attn, SparQ's --r/--no-mean-value, Loki's
-    --d/--loki-pca/--loki-variant, and --k/--l for both (see cli.generate._attention)."""
+    --d/--loki-pca/--loki-variant, --k/--l for both, and ALISA's --c (see cli.generate._attention)."""
     options = [
-        click.option("--attn", type=click.Choice(["dense", "sparq", "loki"]), default=None,
-                     help="Attention: dense, sparq (the default when --r or --k is given) or loki (the default with --d)."),
+        click.option("--attn", type=click.Choice(["dense", "sparq", "loki", "alisa"]), default=None,
+                     help="Attention: dense, sparq (the default when --r or --k is given), loki (the default with --d) "
+                          "or alisa (the default with --c)."),
         click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16]."),
         click.option("--d", "d", type=int, default=None, help="Loki: principal components used to rank positions [32]."),
         click.option("--k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step [128]."),
@@ -43,6 +44,9 @@ def attention_options(command):
                      help="Loki: projection GGUF from `sparq-cpp calibrate` (default: the one embedded in the model)."),
         click.option("--loki-variant", type=click.Choice(["post", "pre"]), default="post", show_default=True,
                      help="Loki: basis calibrated on keys after or before RoPE."),
+        click.option("--c", "c", type=FiniteFloatRange(min=0, min_open=True), default=None,
+                     help="ALISA: caching ratio; of n positions, the floor(n*c/2) most recent and as many with the "
+                          "largest recent attention are attended [0.125]. Memory grows as n_ctx**2 * c/2 per layer."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -14,8 +14,10 @@ from sparq_cpp.errors import SparqError
 
 def sparse_attn_env(attention) -> str | None:
     """The LLAMA_SPARSE_ATTN value that switches `attention` on in a stock tool (None for dense)."""
-    from sparq_cpp.attention import Loki, SparQ
+    from sparq_cpp.attention import ALISA, Loki, SparQ
 
+    if isinstance(attention, ALISA):
+        return f"alisa:c={attention.c!r},min_n_kv={attention.min_n_kv}"
     if isinstance(attention, SparQ):
         return (f"sparq:r={attention.r},k={attention.k},l={attention.local},"
                 f"mv={int(attention.mean_value)},min_n_kv={attention.min_n_kv}")
@@ -34,9 +36,9 @@ def sparse_attn_env(attention) -> str | None:
 def server_command(path, attention, *, host, port, ctx_size, parallel, threads, cache_type, extra) -> tuple:
     """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
     context creation would fail on (model, settings, projection)."""
-    from sparq_cpp.attention import Dense, Loki
+    from sparq_cpp.attention import ALISA, Dense, Loki
     from sparq_cpp.gguf_check import check_gguf, check_sparse
-    from sparq_cpp.llm import check_loki_projection, default_threads, display_name
+    from sparq_cpp.llm import check_alisa, check_loki_projection, default_threads, display_name
     from sparq_cpp.pyext.build import tool_path
 
     summary = check_gguf(path)
@@ -45,18 +47,22 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
     attention.check(summary.head_dim)
     if isinstance(attention, Loki):
         check_loki_projection(attention, path)
+    if isinstance(attention, ALISA):
+        check_alisa(path)
     if not 1 <= port <= 65535:
         raise SparqError(f"--port must be in 1..65535, got {port}")
     if ctx_size is not None and ctx_size < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {ctx_size}")
     if parallel < 1:
         raise SparqError(f"--parallel must be >= 1, got {parallel}")
+    if isinstance(attention, ALISA) and parallel != 1:
+        raise SparqError(f"ALISA keeps one window of past weights, so one sequence: --parallel must be 1, got {parallel}")
     n_ctx = ctx_size if ctx_size is not None else min(4096, summary.n_ctx_train or 4096) * parallel
     argv = [str(tool_path("llama-server")), "-m", str(path), "--host", host, "--port", str(port),
             "-c", str(n_ctx), "-np", str(parallel), "-t", str(threads or default_threads()),
             "-ctk", cache_type, "-ctv", cache_type]
     if not isinstance(attention, Dense):
-        argv += ["-fa", "on"]  # SparQ and Loki read V row by row
+        argv += ["-fa", "on"]  # SparQ, Loki and ALISA read V row by row
     env = dict(os.environ)
     env.pop("LLAMA_SPARSE_ATTN", None)
     value = sparse_attn_env(attention)
@@ -80,10 +86,10 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def command(gguf, host, port, ctx_size, parallel, threads, cache_type, attn, r, d, k, l, no_mean_value, loki_pca,
-            loki_variant, print_command, server_args):
+            loki_variant, c, print_command, server_args):
     """Serve a model over HTTP with OpenAI-style /v1/chat/completions and /v1/completions (llama-server),
-    with SparQ or Loki attention. Anything after `--` goes to llama-server as it is."""
-    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant)
+    with SparQ, Loki or ALISA attention. Anything after `--` goes to llama-server as it is."""
+    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c)
     path = _resolve_model(gguf)
     argv, env = server_command(path, attention, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                                threads=threads, cache_type=cache_type, extra=server_args)

@@ -213,10 +213,12 @@ class RefSession:
         elif method == "h2o":
             att = self._prompt.method.with_budget(params["k"], params["l"])  # the prompt's scores
         elif method == "alisa":
-            if self._alisa is None:  # first use: prefill again, recording the prompt's weights from now on
+            if self._alisa is None or params["c"] > self._alisa.keep_c:
+                # first use (or a larger ratio): prefill again, recording the prompt's weights from now on,
+                # only the rows a window of this ratio or smaller can reach (memory ~ n*k, not n**2)
                 from sparq_cpp.reference.baselines import SWAAttention
 
-                self._alisa = SWAAttention(params["c"])
+                self._alisa = SWAAttention(params["c"], keep_c=params["c"])
                 self.prefill(self._tokens)
             att = self._alisa.with_ratio(params["c"])  # the prompt's weights seed the window sums
         else:

@@ -144,6 +144,7 @@ class _Lib:
         self.ggml_cpu_init()
         self._sparq = None
         self._loki = None
+        self._alisa = None
 
     @property
     def has_sparq_attn(self) -> bool:
@@ -175,6 +176,18 @@ class _Lib:
             f.argtypes = [VP, T_P, T_P, T_P, T_P, T_P, ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
             self._loki = f
         return self._loki
+
+    @property
+    def ggml_alisa_attn(self):
+        if self._alisa is None:
+            if not hasattr(self.base, "ggml_alisa_attn"):
+                raise SparqError(f"ggml_alisa_attn is missing from {self.dir / 'libggml-base.so'}: "
+                                 "this build predates the ALISA ranking, build the patched one again")
+            f = self.base.ggml_alisa_attn
+            f.restype = T_P
+            f.argtypes = [VP, T_P, T_P, T_P, T_P, T_P, T_P, ctypes.c_float, ctypes.c_float]
+            self._alisa = f
+        return self._alisa
 
 
 _LIBS: dict[Path, _Lib] = {}
@@ -316,6 +329,9 @@ class Graph:
     def loki_attn(self, q, k, v, mask, pos, scale, d, top_k, n_local):
         return self.lib.ggml_loki_attn(self.ctx, q, k, v, mask, pos, scale, d, top_k, n_local)
 
+    def alisa_attn(self, q, k, v, mask, pos, sums, scale, c):
+        return self.lib.ggml_alisa_attn(self.ctx, q, k, v, mask, pos, sums, scale, c)
+
     def flash_attn_ext(self, q, k, v, mask, scale, max_bias=0.0, logit_softcap=0.0):
         return self.lib.ggml_flash_attn_ext(self.ctx, q, k, v, mask, scale, max_bias, logit_softcap)
 
@@ -454,6 +470,38 @@ def loki_attn(q, k, v, mask, kv_pos, kq_scale, d, top_k, n_local=0, *, kv_type="
         if return_values:
             return y, cache.k_values, cache.v_values
         return y
+
+
+def alisa_attn(q, k, v, mask, kv_pos, kq_scale, sums, c, *, kv_type="f16", n_threads=2, directory=None,
+               return_values=False):
+    """Run ggml_alisa_attn once. sums: float32 [n_set, n_kv] (every row) or [n_q, n_set, n_kv] (per row), the
+    window sums of the set(s): n_set 1 (one selection for every head) or n_head_kv. Returns y [n_q, n_head, D]
+    and the weights [n_q, n_set, n_kv] (each set's query heads' softmax weights summed; with return_values also
+    the decoded k, v values the op saw)."""
+    if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)) or not np.isfinite(c) or c <= 0:
+        raise SparqError(f"ALISA's caching ratio c must be a finite number > 0, got {c!r}")
+    sums = np.ascontiguousarray(sums, dtype=np.float32)
+    n_q, n_kv, n_head_kv = q.shape[0], k.shape[0], k.shape[1]
+    if sums.ndim not in (2, 3) or sums.shape[-1] != n_kv or sums.shape[-2] not in (1, n_head_kv) \
+            or (sums.ndim == 3 and sums.shape[0] != n_q):
+        raise SparqError(f"ALISA's sums must be [1 or n_head_kv={n_head_kv}, n_kv={n_kv}] or [n_q={n_q}, ..., n_kv], "
+                         f"got {sums.shape}")
+    n_set = sums.shape[-2]
+    with Graph(directory=directory) as g:
+        cache = KVCache(g, k, v, kv_type, need_kt=False)
+        qt = q_tensor(g, q)
+        mt = mask_tensor(g, mask)
+        pt = g.tensor(np.ascontiguousarray(kv_pos, dtype=np.int32), "i32")
+        st = g.tensor(sums, "f32")
+        out = g.alisa_attn(qt, cache.k, cache.v, mt, pt, st, kq_scale, c)
+        flat = g.output(out).reshape(-1)
+        g.compute(n_threads)
+        n_y = int(np.prod(q.shape))
+        y = flat[:n_y].reshape(q.shape).copy()
+        w = flat[n_y:].reshape(n_q, n_set, n_kv).copy()
+        if return_values:
+            return y, w, cache.k_values, cache.v_values
+        return y, w
 
 
 def flash_attn_ext(q, k, v, mask, kv_pos, kq_scale, *, kv_type="f16", n_threads=2, directory=None):

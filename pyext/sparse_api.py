@@ -13,7 +13,9 @@ from sparq_cpp.errors import SparqError
 LLAMA_SPARSE_ATTN_DENSE = 0
 LLAMA_SPARSE_ATTN_SPARQ = 1
 LLAMA_SPARSE_ATTN_LOKI = 2
-MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "loki": LLAMA_SPARSE_ATTN_LOKI}
+LLAMA_SPARSE_ATTN_ALISA = 3
+MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "loki": LLAMA_SPARSE_ATTN_LOKI,
+         "alisa": LLAMA_SPARSE_ATTN_ALISA}
 
 
 class llama_sparse_attn_params(ctypes.Structure):
@@ -28,6 +30,7 @@ class llama_sparse_attn_params(ctypes.Structure):
         ("d", ctypes.c_int32),
         ("loki_proj", ctypes.c_char_p),
         ("loki_pre_rope", ctypes.c_bool),
+        ("c", ctypes.c_float),
     ]
 
     def as_dict(self) -> dict:

@@ -1,6 +1,7 @@
-"""User-facing attention settings: Dense(), SparQ(...) and Loki(...), checked against a model's geometry."""
+"""User-facing attention settings: Dense(), SparQ(...), Loki(...) and ALISA(...), checked against a model's geometry."""
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -120,4 +121,34 @@ class Loki:
         return transfer.loki_bytes(n_kv, head_dim, self.d, self.k, cache_type)
 
 
-Attention = Dense | SparQ | Loki
+@dataclass(frozen=True)
+class ALISA:
+    """ALISA's Sparse Window Attention (Zhao et al., 2024): at a step that sees n positions, the
+    k = floor(n*c/2) most recent ones and the k others with the largest attention weights of the last k
+    steps (summed over heads) are attended, 2k in all. The cache keeps those weights of each of the last
+    steps: about n_ctx**2 * c/2 floats per layer, so memory grows with the square of the context. One
+    sequence per context; c can be lowered later, not raised. No mean value.
+    """
+
+    c: float = 0.125
+    min_n_kv: int = 0
+
+    name = "alisa"
+
+    def __post_init__(self):
+        _check_int32(self, ("min_n_kv",))
+        if isinstance(self.c, bool) or not isinstance(self.c, numbers.Real) or not math.isfinite(self.c) or self.c <= 0:
+            raise SparqError(f"c must be a finite number > 0 (ALISA's caching ratio), got {self.c!r}")
+
+    def check(self, head_dim: int) -> None:
+        if self.min_n_kv < 0:
+            raise SparqError(f"min_n_kv must be >= 0, got {self.min_n_kv}")
+
+    def window(self, n_kv: int) -> int:
+        return transfer.alisa_window(n_kv, self.c)
+
+    def reads(self, n_kv: int, head_dim: int, cache_type: str = "f16") -> float:
+        return transfer.alisa_bytes(n_kv, head_dim, self.c, cache_type)
+
+
+Attention = Dense | SparQ | Loki | ALISA

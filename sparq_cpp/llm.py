@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from sparq_cpp.attention import Dense, Loki, SparQ
+from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse
 
@@ -58,13 +58,15 @@ def _c_params(attention, *, creation: bool = False):
                         loki_pre_rope=attention.variant == "pre")
         if creation and attention.projection is not None:
             p.loki_proj = str(attention.projection).encode()
+    elif isinstance(attention, ALISA):
+        sparse_api.fill(p, mode=sparse_api.LLAMA_SPARSE_ATTN_ALISA, c=attention.c, min_n_kv=attention.min_n_kv)
     else:
         p.mode = sparse_api.LLAMA_SPARSE_ATTN_DENSE
     return p
 
 
 def display_name(attention) -> str:
-    return {"sparq": "SparQ", "loki": "Loki"}.get(attention.name, attention.name)
+    return {"sparq": "SparQ", "loki": "Loki", "alisa": "ALISA"}.get(attention.name, attention.name)
 
 
 def check_loki_projection(attention: Loki, model_path) -> None:
@@ -80,6 +82,16 @@ def check_loki_projection(attention: Loki, model_path) -> None:
     except SparqError as e:
         raise SparqError(f"Loki needs a projection: {model_path} has none embedded ({e}); make one with "
                          "`sparq-cpp calibrate` and pass it (--loki-pca FILE / Loki(projection=FILE))") from None
+
+
+def check_alisa(model_path) -> None:
+    """ALISA's window follows the cells of one full-attention cache: models with sliding-window layers are
+    refused here by name (llama.cpp refuses them too, with a less specific message)."""
+    from sparq_cpp.gguf_check import swa_layers
+
+    if any(swa_layers(model_path) or ()):
+        raise SparqError(f"{model_path}: ALISA cannot run on a model with sliding-window layers (its window of past "
+                         "weights follows one full-attention cache); use SparQ or Loki")
 
 
 def _llama_class():
@@ -108,6 +120,8 @@ def _llama_class():
             kwargs.update(type_k=CACHE_TYPES[cache_type], type_v=CACHE_TYPES[cache_type])
             if isinstance(attention, Loki):
                 check_loki_projection(attention, model_path)
+            if isinstance(attention, ALISA):
+                check_alisa(model_path)
             if sparse:
                 if kwargs.get("flash_attn") is False:
                     raise SparqError(f"{attention.name} needs flash attention (V stored row-major); "

@@ -76,6 +76,13 @@ def loki_bytes(n: int, D: int, d: int, k: int, cache_type: str = "f16") -> float
     return (n * d_read + 2 * k * D + 2 * D) * bytes_per_element(cache_type)
 
 
+def alisa_bytes(n: int, D: int, c: float, cache_type: str = "f16") -> float:
+    """ALISA in llama.cpp's real types: the K and V rows of its positions in the cache type, the window
+    sums and their upkeep (alisa_elements' 2*n + 8*k) in f32."""
+    k = alisa_window(n, c)
+    return (2 * min(2 * k, n) * D + 2 * D) * bytes_per_element(cache_type) + (2 * n + 8 * k) * 4
+
+
 def dense_bytes(n: int, D: int, cache_type: str = "f16") -> float:
     return dense_elements(n, D) * bytes_per_element(cache_type)
 

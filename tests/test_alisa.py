@@ -209,6 +209,26 @@ def test_with_ratio_and_record_prompt_share_the_prompt():
     assert len(rec._rows.get(0, [])) == 0  # the recorder's own state is untouched by its copies
 
 
+def test_keep_c_drops_only_rows_no_window_reaches():
+    """A record with keep_c (the prompt in batches, as the eval feeds it) keeps far fewer prompt rows and
+    decodes the same as one that keeps every row; a larger ratio than it kept is refused."""
+    q, k, v = rand_qkv(120, 4, 2, seed=9)
+    pos = np.arange(120, dtype=np.int32)
+    mask = pos[None, :] <= pos[:, None]
+    n_prompt = 96
+    full, kept = SWAAttention(0.3), SWAAttention(0.3, keep_c=0.3)
+    for a in (full, kept):
+        for b in range(0, n_prompt, 32):
+            a.record_prompt(q[b:b + 32], k, v, mask[b:b + 32], pos, SCALE, 0)
+    assert len(kept._prompt_rows[0]) < len(full._prompt_rows[0]) // 4
+    for c in (0.3, 0.12):
+        want = full.with_ratio(c)(q[n_prompt:], k, v, mask[n_prompt:], pos, SCALE, 0)
+        got = kept.with_ratio(c)(q[n_prompt:], k, v, mask[n_prompt:], pos, SCALE, 0)
+        assert np.array_equal(got, want)
+    with pytest.raises(SparqError, match="up to 0.3"):
+        kept.with_ratio(0.5)
+
+
 def test_state_errors():
     with pytest.raises(SparqError, match="caching ratio"):
         SWAAttention(0)

@@ -382,11 +382,14 @@ class SWAAttention:
 
     name = "alisa"
 
-    def __init__(self, c, per_kv_head=False):
-        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)) or not np.isfinite(c) \
-                or c <= 0:
-            raise SparqError(f"ALISA's caching ratio c must be a finite number > 0, got {c!r}")
+    def __init__(self, c, per_kv_head=False, keep_c=None):
+        for name, val in (("c", c), ("keep_c", c if keep_c is None else keep_c)):
+            if isinstance(val, bool) or not isinstance(val, (int, float, np.integer, np.floating)) \
+                    or not np.isfinite(val) or val <= 0:
+                raise SparqError(f"ALISA's caching ratio {name} must be a finite number > 0, got {val!r}")
         self.c = float(c)
+        # prompt rows no window of a ratio up to keep_c can reach are dropped; None keeps every row
+        self.keep_c = None if keep_c is None else max(float(keep_c), self.c)
         self.per_kv_head = bool(per_kv_head)
         self.last_selection = None
         self.reset()
@@ -394,6 +397,7 @@ class SWAAttention:
     def reset(self):
         """Forget every recorded row: call before each new sequence (with a new KV cache)."""
         self._prompt_rows: dict[int, list] = {}
+        self._dropped: dict[int, int] = {}  # prompt rows dropped from the front, per layer
         self._rows: dict[int, list] = {}
 
     def window(self, n: int) -> int:
@@ -403,8 +407,12 @@ class SWAAttention:
     def with_ratio(self, c):
         """A new SWA with caching ratio c that starts from this one's prompt rows (its decode rows are
         not carried over): one prompt's record serves a sweep over ratios."""
-        other = SWAAttention(c, self.per_kv_head)
+        if self.keep_c is not None and c > self.keep_c:
+            raise SparqError(f"ALISA: this record keeps the prompt rows for caching ratios up to {self.keep_c:g}, "
+                             f"not {c:g}; record the prompt again")
+        other = SWAAttention(c, self.per_kv_head, self.keep_c)
         other._prompt_rows = {il: list(rows) for il, rows in self._prompt_rows.items()}
+        other._dropped = dict(self._dropped)
         return other
 
     def _units(self, n_head, n_head_kv):
@@ -423,6 +431,8 @@ class SWAAttention:
     def window_sum(self, layer, k, n_kv, n_units=1):
         """S [n_units, n_kv]: the weights of the last k recorded rows of the layer (prompt, then decode)."""
         prompt, dec = self._prompt_rows.get(layer, []), self._rows.get(layer, [])
+        if k > len(dec) + len(prompt) and self._dropped.get(layer, 0):
+            raise SparqError(f"ALISA layer {layer}: the window of {k} rows reaches prompt rows dropped by keep_c")
         rows = dec[len(dec) - k:] if k <= len(dec) else prompt[max(0, len(prompt) - (k - len(dec))):] + dec
         S = np.zeros((n_units, n_kv))
         for cells, w in rows:
@@ -452,6 +462,15 @@ class SWAAttention:
         for t in range(n_q):
             cells = np.nonzero(mask[t])[0]
             rows.append((cells, W[:, t, cells].copy()))
+        if self.keep_c is not None:
+            # a later step t >= N sees at most t + 1 positions and its window starts at row
+            # t - floor((t + 1)*c/2), which never decreases with t (c < 2): earlier rows are never read
+            n_rows = self._dropped.get(layer, 0) + len(rows)
+            first = max(0, n_rows - transfer.alisa_window(n_rows + 1, self.keep_c) - 1)
+            drop = first - self._dropped.get(layer, 0)
+            if drop > 0:
+                del rows[:drop]
+                self._dropped[layer] = first
 
     def prompt_call(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
         """Prompt rows: dense attention, their weights recorded to seed the window sums."""

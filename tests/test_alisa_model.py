@@ -1,0 +1,215 @@
+"""ALISA inside llama.cpp's graph, end to end, on tiny models: logits equal the reference forward pass with
+SWAAttention (docs/spec.md, ALISA) through the prompt and the decode steps, the window of past weights survives
+removing the end of the sequence and a state save/load, every position kept is dense attention, and what the
+mode cannot do is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp")
+from sparq_cpp.pyext import sparse_api  # noqa: E402
+
+if not sparse_api.available() or "alisa" not in sparse_api.MODES:
+    pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
+
+from conftest import open_llm, rel, tokens  # noqa: E402
+
+from sparq_cpp import ALISA, Dense, SparQ, SparqError  # noqa: E402
+from sparq_cpp.modelfactory import write_model  # noqa: E402
+from sparq_cpp.reference.baselines import DensePrompt, SWAAttention  # noqa: E402
+from sparq_cpp.reference.forward import LlamaReference  # noqa: E402
+from sparq_cpp.reference.gguf_model import load_llama  # noqa: E402
+
+# f32 cache: the prompt's attention and the op accumulate in f32, the reference in f64
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("alisa-models")
+    return {preset: write_model(root / f"{preset}.gguf", preset, wtype="f32", seed=3) for preset in ("tiny", "tiny-gqa")}
+
+
+def reference(path, c):
+    att = DensePrompt(SWAAttention(c))
+    return att, LlamaReference(load_llama(path), attention=att, cache_type="f32")
+
+
+def greedy_steps(llm, ref, att, first, n_steps, n):
+    """Decode n_steps greedy tokens one by one from the logits `first`; returns the worst relative error."""
+    att.prompt = False
+    got, worst = first, 0.0
+    for _ in range(n_steps):
+        tok = int(np.argmax(got[-1]))
+        llm.eval([tok])
+        got = np.array(llm.scores[n: n + 1])
+        worst = max(worst, rel(got, ref.forward([tok])))
+        n += 1
+    return worst
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
+@pytest.mark.parametrize("c,n_prompt", [(0.25, 96), (0.1, 300)])
+def test_prompt_and_decode_match_reference(models, preset, c, n_prompt):
+    """c = 0.1 at 512 cells keeps 27 steps: the 300-token prompt (two ubatches of 256) records only its last
+    rows, and the 40 decode steps slide the window from the prompt's rows into their own."""
+    path = models[preset]
+    llm = open_llm(path, ALISA(c=c))
+    att, ref = reference(path, c)
+    prompt = tokens(n_prompt)
+    llm.eval(prompt)
+    got = np.array(llm.scores[:n_prompt])
+    assert rel(got, ref.forward(prompt)) <= TOL
+    assert greedy_steps(llm, ref, att, got, 40, n_prompt) <= TOL
+
+
+def test_selection_is_sparse_and_differs_from_dense(models):
+    """The decode steps really attend to a subset: their logits leave dense attention's."""
+    path = models["tiny-gqa"]
+    prompt = tokens(200, seed=2)
+    a = open_llm(path, ALISA(c=0.05))
+    a.eval(prompt)
+    for t in (5, 6, 7):
+        a.eval([t])
+    d = LlamaReference(load_llama(path), cache_type="f32").forward(prompt + [5, 6, 7])
+    assert rel(np.array(a.scores[200:203]), d[200:]) > 1e-3
+
+
+def test_every_position_kept_equals_dense(models):
+    path = models["tiny"]
+    prompt = tokens(80, seed=1)
+    want = LlamaReference(load_llama(path), cache_type="f32").forward(prompt + [9, 10, 11])
+    llm = open_llm(path, ALISA(c=4.0))
+    llm.eval(prompt)
+    for t in (9, 10, 11):
+        llm.eval([t])
+    assert rel(np.array(llm.scores[:83]), want) <= TOL
+
+
+def test_dense_steps_between_alisa_steps_join_the_window(models):
+    """Switched to dense for some steps, the context still records their (dense) weights, as the reference
+    records the rows it attends densely; switched back, ALISA goes on from that window."""
+    path = models["tiny-gqa"]
+    c = 0.2
+    llm = open_llm(path, ALISA(c=c))
+    att, ref = reference(path, c)
+    prompt = tokens(120, seed=3)
+    llm.eval(prompt)
+    ref.forward(prompt)
+    n, worst = len(prompt), 0.0
+    for i, tok in enumerate([4, 5, 6, 7, 8, 9, 10, 11]):
+        dense = 2 <= i < 5
+        llm.set_attention(Dense() if dense else ALISA(c=c))
+        att.prompt = dense
+        llm.eval([tok])
+        worst = max(worst, rel(np.array(llm.scores[n: n + 1]), ref.forward([tok])))
+        n += 1
+    assert worst <= TOL
+
+
+def test_lower_c_later_and_larger_c_refused(models):
+    path = models["tiny"]
+    llm = open_llm(path, ALISA(c=0.25))
+    att, ref = reference(path, 0.1)
+    prompt = tokens(90, seed=5)
+    llm.eval(prompt)
+    ref.forward(prompt)
+    llm.set_attention(ALISA(c=0.1))  # the window sums are summed again for the smaller window
+    att.prompt = False
+    llm.eval([3])
+    assert rel(np.array(llm.scores[90:91]), ref.forward([3])) <= TOL
+    with pytest.raises(SparqError, match="c must be"):
+        llm.set_attention(ALISA(c=0.5))
+    with pytest.raises(SparqError, match="without support"):
+        llm.set_attention(SparQ())
+
+
+def _decode(llm, toks):
+    for t in toks:
+        llm.eval([t])
+    return np.array(llm.scores[llm.n_tokens - 1])
+
+
+def test_removing_the_end_and_state_reload_continue_as_fresh(models):
+    path = models["tiny-gqa"]
+    att = ALISA(c=0.3)
+    prompt = tokens(100, seed=4)
+    a = open_llm(path, att)
+    a.eval(prompt)
+    _decode(a, [3, 4, 5, 6])
+    a.n_tokens = 98  # llama_cpp's eval removes the cells >= n_tokens before the next batch
+    got = _decode(a, [7, 8, 9])
+    b = open_llm(path, att)
+    b.eval(prompt[:98])
+    want = _decode(b, [7, 8, 9])
+    assert rel(got, want) <= 1e-6
+    state = b.save_state()
+    b.eval([11])
+    c = open_llm(path, att)
+    c.load_state(state)
+    c.eval([11])
+    assert rel(np.array(c.scores[101]), np.array(b.scores[101])) <= 1e-6
+
+
+def test_edits_the_window_cannot_follow_are_refused(models):
+    """Removing positions from the middle, or so many from the end that the next window's steps are no longer
+    held, fails (as for recurrent models: process the sequence again) and leaves the cache as it was."""
+    import llama_cpp
+
+    path = models["tiny"]
+    llm = open_llm(path, ALISA(c=0.1))  # 27 steps held
+    prompt = tokens(200, seed=6)
+    llm.eval(prompt)
+    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    assert not llama_cpp.llama_memory_seq_rm(mem, 0, 10, 20)
+    assert not llama_cpp.llama_memory_seq_rm(mem, 0, 100, -1)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 199
+    llm.eval([5])  # the cache is whole: decoding goes on
+    assert llama_cpp.llama_memory_seq_rm(mem, 0, 195, -1)  # the end, within reach
+    assert llama_cpp.llama_memory_seq_rm(mem, 0, 0, -1)  # the whole sequence
+
+
+def test_bad_settings_are_refused_by_name(models):
+    path = models["tiny"]
+    for c in (0, -0.5, float("nan"), float("inf"), True, "0.1"):
+        with pytest.raises(SparqError, match="c must be"):
+            ALISA(c=c)
+    from llama_session import Session, captured_log
+
+    with captured_log() as log, pytest.raises(AssertionError, match="could not create the context"):
+        Session(path, ALISA(c=0.25), n_seq=2)
+    assert any("n_seq_max = 2" in line and "n_seq_max = 1" in line for line in log), "".join(log[-10:])
+
+
+@pytest.mark.parametrize("value,message", [
+    ("alisa:c=0", "c must be a finite number > 0"),
+    ("alisa:c=abc", "invalid value 'abc' for key 'c'"),
+    ("alisa:k=16", "key 'k' is not for alisa"),
+    ("sparq:c=0.1", "key 'c' is for alisa, not sparq"),
+])
+def test_environment_setting_errors(models, monkeypatch, value, message):
+    from llama_session import Session, captured_log
+
+    monkeypatch.setenv("LLAMA_SPARSE_ATTN", value)
+    with captured_log() as log, pytest.raises(AssertionError, match="could not create the context"):
+        Session(models["tiny"], Dense())
+    assert any(message in line for line in log), "".join(log[-10:])
+
+
+def test_cli_generate_and_serve(models):
+    from conftest import assert_one_line_error, run_cli
+
+    path = str(models["tiny-gqa"])
+    proc = run_cli("generate", "--gguf", path, "-n", "8", "--temp", "0", "--prompt", "hello there " * 40,
+                   "--attn", "alisa", "--c", "0.2", "--cache-type", "f32", "-t", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "attn    alisa: the last step read" in proc.stderr
+    proc = run_cli("serve", "--gguf", path, "--c", "0.2", "--print-command")
+    assert proc.returncode == 0 and "LLAMA_SPARSE_ATTN=alisa:c=0.2,min_n_kv=0 " in proc.stdout
+    assert_one_line_error(run_cli("serve", "--gguf", path, "--attn", "alisa", "-np", "2", "--print-command"),
+                          "--parallel must be 1")
+    assert_one_line_error(run_cli("generate", "--gguf", path, "--c", "0.2", "--k", "16"), "ALISA takes only --c")
+    assert_one_line_error(run_cli("generate", "--gguf", path, "--attn", "sparq", "--c", "0.2"), "use --attn alisa")
+    proc = run_cli("generate", "--gguf", path, "--c", "0")
+    assert proc.returncode == 2 and "--c" in proc.stderr
