@@ -213,3 +213,21 @@ def test_cli_generate_and_serve(models):
     assert_one_line_error(run_cli("generate", "--gguf", path, "--attn", "sparq", "--c", "0.2"), "use --attn alisa")
     proc = run_cli("generate", "--gguf", path, "--c", "0")
     assert proc.returncode == 2 and "--c" in proc.stderr
+
+
+def test_server_reports_alisa_and_restores_a_slot(models, tmp_path):
+    """llama-server with ALISA (one slot): /props reports it; a repeated prompt reuses the cache (removing the
+    end of the sequence; its last token is then a decode step, no longer a prompt row, so the text may differ);
+    a saved slot restored after an erase continues with the same text."""
+    from conftest import Server, assert_slot_restore_continues
+
+    server = Server(models["tiny"], "--c", "0.25", tmp_path=tmp_path)
+    try:
+        props = server.get("/props")["sparse_attn"]
+        assert props["mode"] == "alisa" and props["c"] == pytest.approx(0.25)
+        prompt = "hello there " * 30
+        assert server.complete(prompt, n=8, cache_prompt=True)
+        assert server.complete(prompt, n=8, cache_prompt=True)
+        assert_slot_restore_continues(server, prompt, 6, "alisa-slot.bin")
+    finally:
+        server.close()
