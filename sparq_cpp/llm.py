@@ -138,6 +138,19 @@ def _llama_class():
             self.summary: GGUFSummary = summary
             self.cache_type = cache_type
             self.attention = attention
+            self._alisa_window = isinstance(attention, ALISA)  # the context keeps ALISA's window of past weights
+
+        def eval(self, tokens) -> None:
+            """llama_cpp's eval, which first removes the cached positions from n_tokens on. An ALISA context
+            refuses to remove what its window cannot follow (the middle, or too much of the end): then the
+            kept tokens are processed again as a prompt, as llama-server does, before `tokens`."""
+            if self._alisa_window and not self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1):
+                keep = [int(t) for t in self.input_ids[: self.n_tokens]]
+                self._ctx.kv_cache_clear()
+                self.n_tokens = 0
+                if keep:
+                    super().eval(keep)
+            super().eval(tokens)
 
         def close(self) -> None:
             if hasattr(self, "_stack"):  # a constructor that raised leaves nothing to close

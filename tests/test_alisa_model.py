@@ -231,3 +231,18 @@ def test_server_reports_alisa_and_restores_a_slot(models, tmp_path):
         assert_slot_restore_continues(server, prompt, 6, "alisa-slot.bin")
     finally:
         server.close()
+
+
+def test_python_eval_processes_the_kept_tokens_again_where_removal_is_refused(models):
+    """Rewinding a Llama (n_tokens) further than the window can follow: its eval processes the kept tokens again as
+    a prompt, so it continues as a fresh context given them."""
+    path = models["tiny"]
+    prompt = tokens(200, seed=8)
+    a = open_llm(path, ALISA(c=0.1))  # 27 steps held
+    a.eval(prompt)
+    a.n_tokens = 100
+    got = _decode(a, [7, 8])
+    b = open_llm(path, ALISA(c=0.1))
+    b.eval(prompt[:100])
+    want = _decode(b, [7, 8])
+    assert rel(got, want) <= 1e-6
