@@ -1,5 +1,5 @@
-"""Methods and the two backends that run them: llama.cpp (dense, sparq, loki) and the numpy/Numba
-reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa).
+"""Methods and the two backends that run them: llama.cpp (dense, sparq, loki, and alisa as alisa@llama) and the
+numpy/Numba reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa).
 
 A backend session holds one model context and runs one sample at a time:
 ``prefill(tokens)`` puts the prompt but its last token into the cache with dense attention;
@@ -20,7 +20,7 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.evaluation.sweep import METHODS
 
 BACKENDS = ("llama", "ref")
-LLAMA_METHODS = ("dense", "sparq", "loki")
+LLAMA_METHODS = ("dense", "sparq", "loki", "alisa")
 DEFAULT_BACKEND = {"dense": "llama", "sparq": "llama", "loki": "llama", "exact-topk": "ref", "h2o": "ref",
                    "lm-infinite": "ref", "alisa": "ref"}
 
@@ -36,7 +36,8 @@ class MethodSpec:
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
-    """'dense,sparq,h2o,sparq@ref' -> specs; llama.cpp runs dense/sparq/loki, the reference the rest."""
+    """'dense,sparq,h2o,sparq@ref,alisa@llama' -> specs; llama.cpp runs dense/sparq/loki (and alisa when asked),
+    the reference the rest."""
     out = []
     for part in str(text).split(","):
         part = part.strip().lower()
@@ -73,8 +74,8 @@ class LlamaSession:
     """One llama.cpp context: a dense one for dense, a SparQ (or Loki) one for the sparse settings."""
 
     def __init__(self, model_path, method: str, *, n_ctx: int, cache_type: str, threads: int | None,
-                 mean_value: bool, loki_projection=None, logits_all: bool = False):
-        from sparq_cpp.attention import Dense, SparQ
+                 mean_value: bool, loki_projection=None, logits_all: bool = False, alisa_c: float | None = None):
+        from sparq_cpp.attention import ALISA, Dense, SparQ
         from sparq_cpp.llm import open_model
 
         self.method, self.mean_value, self.loki_projection = method, mean_value, loki_projection
@@ -84,6 +85,9 @@ class LlamaSession:
             first = SparQ(r=1, k=1, mean_value=mean_value)
         elif method == "loki":
             first = self._loki(d=1, k=1)
+        elif method == "alisa":
+            # the window's memory is sized for the largest c of the sweep; the prompt is attended densely
+            first = ALISA(c=alisa_c)
         else:
             raise SparqError(f"{method} does not run on llama.cpp")
         self.n_batch = min(512, n_ctx)
@@ -91,6 +95,7 @@ class LlamaSession:
                                             cache_type=cache_type, n_batch=self.n_batch, logits_all=logits_all)
         self.n_vocab = self.llm.n_vocab()
         self.n_prefill = 0
+        self._prompt = []
 
     def _loki(self, **kw):
         from sparq_cpp.attention import Loki
@@ -98,10 +103,12 @@ class LlamaSession:
         return Loki(projection=self.loki_projection, **kw)
 
     def _attention(self, params: dict, sparse_rows: bool):
-        from sparq_cpp.attention import Dense, SparQ
+        from sparq_cpp.attention import ALISA, Dense, SparQ
 
-        if self.method == "dense":
+        if self.method == "dense" or (self.method == "alisa" and not sparse_rows):
             return Dense()
+        if self.method == "alisa":
+            return ALISA(c=params["c"])
         if self.method == "sparq":
             return SparQ(r=params["r"], k=params["k"], l=params["l"], mean_value=self.mean_value,
                          sparse_prompt=sparse_rows)
@@ -113,6 +120,7 @@ class LlamaSession:
                          for i in range(rows)]) if rows else np.empty((0, self.n_vocab), np.float32)
 
     def prefill(self, tokens):
+        self._prompt = list(tokens)
         self.llm.n_tokens = 0  # the next eval removes every cell from here on
         if self.method != "dense":  # multi-token batches dense (sparse_prompt off)
             self.llm.set_attention(self._attention({"r": 1, "d": 1, "k": 1, "l": 0}, sparse_rows=False))
@@ -123,6 +131,12 @@ class LlamaSession:
         self.n_prefill = len(tokens)
 
     def rewind(self):
+        # ALISA's window follows the removal of the steps after the prompt only while the ring holds the steps
+        # of the prompt's window; else the prompt is attended again (densely, as the first time)
+        if self.method == "alisa" and not self.llm._ctx.kv_cache_seq_rm(-1, self.n_prefill, -1):
+            attention = self.llm.attention
+            self.prefill(self._prompt)
+            self.llm.set_attention(attention)
         self.llm.n_tokens = self.n_prefill
 
     def use(self, params: dict, method: str | None = None):
@@ -139,8 +153,9 @@ class LlamaSession:
         if len(tokens) > 1 and not self.llm._logits_all:
             raise SparqError("internal: feeding several tokens needs a context with logits_all")
         out = []
-        for pos in range(0, len(tokens), self.n_batch):
-            batch = list(tokens[pos: pos + self.n_batch])
+        step = 1 if self.method == "alisa" else self.n_batch  # ALISA's steps are one token each
+        for pos in range(0, len(tokens), step):
+            batch = list(tokens[pos: pos + step])
             self.llm.eval(batch)
             out.append(self._last_logits(len(batch)))
         return np.concatenate(out)

@@ -54,10 +54,11 @@ def _add_backend_agreement(rows, index) -> None:
     the others, where they part and how close the best two logits were there ("parted")."""
     for row in rows:
         method, _, backend = row["method"].partition("@")
-        if backend != "ref":
-            continue
         ref = index[(row["task"], row["method"], row["target"])]
-        llama = index.get((row["task"], method, row["target"]), {})
+        if not ref or next(iter(ref.values())).get("backend") != "ref":
+            continue
+        # METHOD@ref beside METHOD, or a reference-first METHOD (alisa) beside METHOD@llama
+        llama = index.get((row["task"], method if backend == "ref" else f"{method}@llama", row["target"]), {})
         common = [s for s in ref if s in llama]
         if not common:
             continue

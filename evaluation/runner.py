@@ -133,7 +133,8 @@ def run(cfg: EvalConfig, log=print) -> dict:
     try:
         for task, samples in built.items():
             n_ctx = min(summary.n_ctx_train, -(-(max(s.n_tokens for s in samples) + 1) // 32) * 32)
-            sessions = _open_sessions(cfg, runs, samples[0].kind, n_ctx, mean_value, ref_model)
+            sessions = _open_sessions(cfg, runs, samples[0].kind, n_ctx, mean_value, ref_model,
+                                      alisa_c=_alisa_c_max(runs, samples, D, cfg))
             try:
                 for sample in samples:
                     for key, session in sessions.items():
@@ -169,7 +170,14 @@ def _shares_dense(runs) -> bool:
     return any(s.backend == "llama" and s.method == "sparq" for s, _ in runs)
 
 
-def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model):
+def _alisa_c_max(runs, samples, D, cfg) -> float | None:
+    """The largest caching ratio alisa@llama is run with on these samples: its context keeps the window for it."""
+    cs = [p["c"] for spec, target in runs if spec.method == "alisa" and spec.backend == "llama" for s in samples
+          if (p := sweep.settings("alisa", target, len(s.prompt), D)) is not None]
+    return max(cs) if cs else None
+
+
+def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model, alisa_c=None):
     sessions = {}
     for spec, _ in runs:
         key = _session_key(spec, _shares_dense(runs))
@@ -179,7 +187,8 @@ def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model):
         if spec.backend == "llama":
             sessions[key] = LlamaSession(cfg.model_path, spec.method, n_ctx=n_ctx, cache_type=cfg.cache_type,
                                          threads=cfg.threads, mean_value=mean_value,
-                                         loki_projection=cfg.loki_projection, logits_all=(kind == "score"))
+                                         loki_projection=cfg.loki_projection, logits_all=(kind == "score"),
+                                         alisa_c=alisa_c)
         else:
             if cfg.cache_type not in ("f32", "f16"):
                 raise SparqError(f"the reference stores f32 or f16 caches, not {cfg.cache_type}; "

@@ -342,3 +342,25 @@ def test_cli_methods_alisa(tiny, tmp_path):
         if r["method"] == "alisa":
             assert r["backend"] == "ref" and abs(r["ratio"] - 0.25) <= 0.02 and np.isfinite(r["score"])
             assert set(r["params"]) == {"c", "k"}
+
+
+def test_eval_alisa_in_llama_cpp_agrees_with_the_reference(tiny):
+    """alisa@llama (llama.cpp's alisa mode: the prompt recorded densely, one decode step per token, the steps
+    after the prompt removed for the next setting or the prompt attended again) scores as the reference does."""
+    from sparq_cpp.evaluation import results, sweep, tasks
+    from sparq_cpp.evaluation.methods import parse_methods
+    from sparq_cpp.evaluation.runner import EvalConfig, run
+
+    cfg = EvalConfig(model_path=Path(tiny["tiny-gqa"]), tasks=["bpc", "repetition"],
+                     methods=parse_methods("alisa,alisa@llama"), ratios=sweep.parse_ratios("1/4,1/8"),
+                     task_cfg=tasks.TaskConfig(samples=2, context=192, continuation=24, max_new=12),
+                     cache_type="f32", progress=False, threads=1)
+    doc = run(cfg, log=lambda s: None)
+    rows = [r for r in results.summarize(doc["records"]) if "vs_llama" in r]
+    assert len(rows) == 4
+    for r in rows:
+        v = r["vs_llama"]
+        assert v["n"] == 2 and v["max_abs_diff"] <= 1e-4
+        assert v["same_tokens"] in (None, 2)
+    with pytest.raises(SparqError, match="runs only on the reference"):
+        parse_methods("h2o@llama")
