@@ -159,3 +159,41 @@ def test_sparq_and_loki_run_on_smollm2_in_the_stock_tool_and_generate(model, dat
         assert proc.returncode == 0, (attn, proc.stderr[-2000:])
         found = re.search(r"\(([0-9.]+) of dense\)", proc.stdout + proc.stderr)
         assert found and 0 < float(found.group(1)) < 0.5, (proc.stdout + proc.stderr)[-500:]
+
+
+def test_alisa_in_llama_cpp_agrees_with_the_reference_and_runs_in_the_tools(model, data, tmp_path):
+    """ALISA on the real model: llama.cpp's alisa mode (alisa@llama) against the reference's alisa on one 2k
+    window of held-out text at 1/8 (bits per character within 0.01; both a little above dense), then
+    llama-completion from LLAMA_SPARSE_ATTN=alisa:c=... and `sparq-cpp generate --attn alisa`."""
+    import re
+    import subprocess
+
+    from conftest import run_cli
+    from sparq_cpp.pyext.build import tool_path
+
+    cfg = EvalConfig(model_path=Path(model), tasks=["bpc"], methods=parse_methods("dense,alisa,alisa@llama"),
+                     ratios=sweep.parse_ratios("1,1/8"), task_cfg=tasks.TaskConfig(samples=1, context=1984, continuation=64),
+                     data={"bpc": data["bpc"]}, threads=THREADS, progress=False)
+    recs = run(cfg, log=lambda s: None)["records"]
+    dense, ref, llama = (_scores(recs, m) for m in ("dense", "alisa", "alisa@llama"))
+    assert dense.keys() == ref.keys() == llama.keys() and dense
+    for s in dense:
+        assert abs(llama[s] - ref[s]) <= 0.01, (llama, ref)
+        assert dense[s] < ref[s] < 1.2 * dense[s], (dense, ref)
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(Path(data["bpc"]).read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    completion = [str(tool_path("llama-completion")), "-m", str(model), "-fa", "on", "-n", "8", "-f", str(prompt),
+                  "-no-cnv", "-t", "2", "-np", "1"]
+    proc = subprocess.run(completion, env=os.environ | {"LLAMA_SPARSE_ATTN": "alisa:c=0.125"}, capture_output=True,
+                          text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "eval time" in proc.stderr
+    proc = subprocess.run(completion, env=os.environ | {"LLAMA_SPARSE_ATTN": "alisa:c=0.125,k=64"}, capture_output=True,
+                          text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode > 0
+    proc = run_cli("generate", "--gguf", str(model), "--attn", "alisa", "--c", "0.125", "--prompt-file", str(prompt),
+                   "-n", "8", "-t", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = re.search(r"\(([0-9.]+) of dense\)", proc.stdout + proc.stderr)
+    assert found and 0 < float(found.group(1)) < 0.5, (proc.stdout + proc.stderr)[-500:]
