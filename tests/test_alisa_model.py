@@ -246,3 +246,16 @@ def test_python_eval_processes_the_kept_tokens_again_where_removal_is_refused(mo
     b.eval(prompt[:100])
     want = _decode(b, [7, 8])
     assert rel(got, want) <= 1e-6
+
+
+def test_a_model_with_sliding_window_layers_is_refused_by_name(tmp_path):
+    """ALISA's window follows one full-attention cache: Gemma 3's interleaved sliding-window layers are refused
+    before llama.cpp is asked (which refuses them too)."""
+    path = write_model(tmp_path / "g3.gguf", "tiny-gemma3", wtype="f32", seed=1)
+    with pytest.raises(SparqError, match="sliding-window layers"):
+        open_llm(path, ALISA(c=0.25))
+    from llama_session import Session, captured_log
+
+    with captured_log() as log, pytest.raises(AssertionError, match="could not create the context"):
+        Session(path, ALISA(c=0.25))
+    assert any("ALISA attention was requested" in line for line in log), "".join(log[-10:])
