@@ -203,6 +203,23 @@ static bool run_layout(bool loki, ggml_type type, bool vmean_t, unsigned seed) {
     return ok;
 }
 
+// the ALISA ranking has no CUDA kernel: supports_op must refuse it, so the scheduler runs it on the CPU
+static bool run_alisa_refused() {
+    ggml_init_params ip = { 16*1024*1024, nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 128, 1, 8, 1);
+    ggml_tensor * k = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 128, 1000, 2, 1);
+    ggml_tensor * v = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 128, 1000, 2, 1);
+    ggml_tensor * m = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 1000, 1, 1, 1);
+    ggml_tensor * p = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1000);
+    ggml_tensor * s = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1000, 1);
+    ggml_tensor * out = ggml_alisa_attn(ctx, q, k, v, m, p, s, 0.088f, 0.125f);
+    const bool refused = !ggml_cuda_sparse_attn_supported(0, out);
+    printf("%s alisa ranking refused by supports_op\n", refused ? "OK  " : "FAIL");
+    ggml_free(ctx);
+    return refused;
+}
+
 // emu_main all|planted|uniform|layout|quick: the cases of test-backend-ops (planted and uniform inputs), the model
 // layout (at 132 and 1 SMs, so both the smallest and the largest slices of the exact attention), or a quick subset
 int main(int argc, char ** argv) {
@@ -259,6 +276,8 @@ int main(int argc, char ** argv) {
         }
         g_emu_nsm = 132;
     }
+    n++;
+    n_fail += !run_alisa_refused();
     printf("%d of %d failed, %ld blocks emulated\n", n_fail, n, g_emu_blocks);
     return n == 0 || n_fail != 0;
 }
