@@ -168,6 +168,8 @@ def test_edits_the_window_cannot_follow_are_refused(models):
     llm.eval([5])  # the cache is whole: decoding goes on
     assert llama_cpp.llama_memory_seq_rm(mem, 0, 195, -1)  # the end, within reach
     assert llama_cpp.llama_memory_seq_rm(mem, 0, 0, -1)  # the whole sequence
+    # a shift follows a removal from the middle: llama-server turns context shift and cache reuse off
+    assert not llama_cpp.llama_memory_can_shift(mem)
 
 
 def test_bad_settings_are_refused_by_name(models):
