@@ -261,3 +261,23 @@ def test_a_model_with_sliding_window_layers_is_refused_by_name(tmp_path):
     with captured_log() as log, pytest.raises(AssertionError, match="could not create the context"):
         Session(path, ALISA(c=0.25))
     assert any("ALISA attention was requested" in line for line in log), "".join(log[-10:])
+
+
+def test_quantized_cache(models):
+    """A q8_0 cache: the prompt's weights are taken from its dequantized rows (a first version transposed the
+    quantized V rows and gave NaN); every position kept, it stays close to the f16 cache's result."""
+    from sparq_cpp import Llama
+
+    path = models["tiny-gqa"]
+    prompt = tokens(120, seed=9)
+    got = {}
+    for cache in ("q8_0", "f16"):
+        llm = Llama(path, ALISA(c=4.0), cache_type=cache, n_ctx=512, n_batch=256, n_ubatch=256, logits_all=True,
+                    n_threads=1, n_threads_batch=1, seed=0)
+        llm.eval(prompt)
+        for t in (5, 6):
+            llm.eval([t])
+        got[cache] = np.array(llm.scores[:122])
+        llm.close()
+    assert np.all(np.isfinite(got["q8_0"]))
+    assert rel(got["q8_0"], got["f16"]) <= 0.05
