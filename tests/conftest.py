@@ -286,6 +286,34 @@ def open_llm(path, attention, n_ctx=512, n_threads=1):
                  logits_all=True, n_threads=n_threads, n_threads_batch=n_threads, seed=0)
 
 
+def decode_one_by_one(llm, toks):
+    """Single-token steps (decode rows); the last step's logits."""
+    for t in toks:
+        llm.eval([t])
+    return np.array(llm.scores[llm.n_tokens - 1])
+
+
+def assert_rewind_and_reload_continue_as_fresh(path, att, prompt, keep, steps=()):
+    """A context given `prompt` (then `steps` one by one) and rewound to `keep` tokens (llama_cpp's eval removes
+    the cells >= n_tokens before the next batch) decodes as a fresh one given prompt[:keep]; and a state saved
+    from that one, loaded into a third context, continues as it does."""
+    a = open_llm(path, att)
+    a.eval(prompt)
+    decode_one_by_one(a, steps)
+    a.n_tokens = keep
+    got = decode_one_by_one(a, [7, 8, 9])
+    b = open_llm(path, att)
+    b.eval(prompt[:keep])
+    want = decode_one_by_one(b, [7, 8, 9])
+    assert rel(got, want) <= 1e-6
+    state = b.save_state()
+    b.eval([11])
+    c = open_llm(path, att)
+    c.load_state(state)
+    c.eval([11])
+    assert rel(np.array(c.scores[keep + 3]), np.array(b.scores[keep + 3])) <= 1e-6
+
+
 def tokens(n, seed=0):
     """BOS and n - 1 random tokens of the synthetic models' vocabulary."""
     return [1] + np.random.default_rng(seed).integers(3, 2048, size=n - 1).tolist()

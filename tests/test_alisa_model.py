@@ -13,7 +13,7 @@ from sparq_cpp.pyext import sparse_api  # noqa: E402
 if not sparse_api.available() or "alisa" not in sparse_api.MODES:
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from conftest import open_llm, rel, tokens  # noqa: E402
+from conftest import assert_rewind_and_reload_continue_as_fresh, decode_one_by_one, open_llm, rel, tokens  # noqa: E402
 
 from sparq_cpp import ALISA, Dense, SparQ, SparqError  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
@@ -125,31 +125,9 @@ def test_lower_c_later_and_larger_c_refused(models):
         llm.set_attention(SparQ())
 
 
-def _decode(llm, toks):
-    for t in toks:
-        llm.eval([t])
-    return np.array(llm.scores[llm.n_tokens - 1])
-
-
 def test_removing_the_end_and_state_reload_continue_as_fresh(models):
-    path = models["tiny-gqa"]
-    att = ALISA(c=0.3)
-    prompt = tokens(100, seed=4)
-    a = open_llm(path, att)
-    a.eval(prompt)
-    _decode(a, [3, 4, 5, 6])
-    a.n_tokens = 98  # llama_cpp's eval removes the cells >= n_tokens before the next batch
-    got = _decode(a, [7, 8, 9])
-    b = open_llm(path, att)
-    b.eval(prompt[:98])
-    want = _decode(b, [7, 8, 9])
-    assert rel(got, want) <= 1e-6
-    state = b.save_state()
-    b.eval([11])
-    c = open_llm(path, att)
-    c.load_state(state)
-    c.eval([11])
-    assert rel(np.array(c.scores[101]), np.array(b.scores[101])) <= 1e-6
+    assert_rewind_and_reload_continue_as_fresh(models["tiny-gqa"], ALISA(c=0.3), tokens(100, seed=4), 98,
+                                               steps=[3, 4, 5, 6])
 
 
 def test_edits_the_window_cannot_follow_are_refused(models):
@@ -243,10 +221,10 @@ def test_python_eval_processes_the_kept_tokens_again_where_removal_is_refused(mo
     a = open_llm(path, ALISA(c=0.1))  # 27 steps held
     a.eval(prompt)
     a.n_tokens = 100
-    got = _decode(a, [7, 8])
+    got = decode_one_by_one(a, [7, 8])
     b = open_llm(path, ALISA(c=0.1))
     b.eval(prompt[:100])
-    want = _decode(b, [7, 8])
+    want = decode_one_by_one(b, [7, 8])
     assert rel(got, want) <= 1e-6
 
 

@@ -12,7 +12,7 @@ from sparq_cpp.pyext import sparse_api  # noqa: E402
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from conftest import calibration_text, open_llm, rel, tokens  # noqa: E402
+from conftest import assert_rewind_and_reload_continue_as_fresh, calibration_text, open_llm, rel, tokens  # noqa: E402
 
 from sparq_cpp import Dense, Llama, Loki, SparQ, SparqError  # noqa: E402
 from sparq_cpp.calib import calibrate, embed_projection, read_projection, write_projection  # noqa: E402
@@ -98,30 +98,9 @@ def test_set_attention_between_steps(models):
         a.set_attention(SparQ())
 
 
-def _decode_one_by_one(llm, toks):
-    for t in toks:
-        llm.eval([t])
-    return np.array(llm.scores[llm.n_tokens - 1])
-
-
 def test_seq_rm_and_state_reload_continue_as_fresh(models):
     path, proj, _ = models["tiny-gqa"]
-    att = Loki(d=16, k=16, l=4, projection=proj)
-    prompt = tokens(100, seed=4)
-    a = open_llm(path, att)
-    a.eval(prompt)
-    a.n_tokens = 70  # llama_cpp's eval removes cells >= n_tokens before the next batch
-    got = _decode_one_by_one(a, [7, 8, 9])
-    b = open_llm(path, att)
-    b.eval(prompt[:70])
-    want = _decode_one_by_one(b, [7, 8, 9])
-    assert rel(got, want) <= 1e-6
-    state = b.save_state()
-    b.eval([11])
-    c = open_llm(path, att)
-    c.load_state(state)
-    c.eval([11])
-    assert rel(np.array(c.scores[73]), np.array(b.scores[73])) <= 1e-6
+    assert_rewind_and_reload_continue_as_fresh(path, Loki(d=16, k=16, l=4, projection=proj), tokens(100, seed=4), 70)
 
 
 def test_context_shift_rotates_back_and_forth(models):
