@@ -1,9 +1,12 @@
 """End-to-end token latency against sequence length S, for dense and sparse attention in llama.cpp.
 
-For each depth S and mode, a context is filled with S positions, then the time of ONE single-token
-decode at position S is measured: `warmup` steps, then `repeats` timed steps, each followed by
-`llama_memory_seq_rm(mem, 0, S, -1)` (outside the timing) so that every step decodes at the same
-depth. A step is `llama_decode` + `llama_synchronize`: embedding, every layer, the output head.
+For each depth S and mode, a context is filled with S positions, then single-token decodes are
+timed as generation runs them: the first step after the fill (after a state load it pays SparQ's cache
+upkeep), `warmup` steps, then `repeats` steady steps, each at the next position (S, S+1, ...: the
+depth grows by at most a few dozen tokens, under 1% at 4k). Then, reported apart, `repeats` steps
+each right after removing the last token (`llama_memory_seq_rm(mem, 0, pos, -1)`, outside the
+timing), as speculative decoding, prompt reuse and regenerate do. A step is `llama_decode` +
+`llama_synchronize`: embedding, every layer, the output head.
 
 Two ways to reach depth S:
   - synthetic (default): a llama.cpp sequence-state blob written here (bench/stateblob.py) with S
@@ -54,7 +57,8 @@ class _Context:
 
         self.lc = import_llama_cpp()
         self.mode, self.depth = mode, depth
-        n_ctx = n_ctx_for(depth)
+        self.pos = depth  # the position of the next step
+        n_ctx = n_ctx_for(depth, step_headroom(cfg))
         self.n_batch = _ubatch(fills, n_ctx, cfg.prefill_batch)
         if mode.dense:
             att = Dense()
@@ -127,6 +131,7 @@ class _Context:
         if self.pos_max() != depth - 1:
             raise SparqError(f"{self.mode.name}: after the state load the cache ends at {self.pos_max()}, "
                              f"not {depth - 1}")
+        self.pos = depth
         return time.perf_counter() - t0
 
     def fill_prefill(self, depth: int, seed: int, n_vocab: int, progress=None) -> float:
@@ -145,11 +150,17 @@ class _Context:
         self.lc.llama_synchronize(self.ctx)
         if self.pos_max() != depth - 1:
             raise SparqError(f"{self.mode.name}: after prefill the cache ends at {self.pos_max()}, not {depth - 1}")
+        self.pos = depth
         return time.perf_counter() - t0
 
-    def step(self, depth: int, token: int) -> tuple:
-        """One timed single-token decode at position `depth`, then its cell removed again:
-        (seconds, seconds our threads waited for a CPU during it or None)."""
+    def step(self, token: int, rewind: bool = False) -> tuple:
+        """One timed single-token decode at the next position, or with `rewind` at the last position
+        again after removing it (untimed): (seconds, seconds our threads waited for a CPU during it or None)."""
+        if rewind:
+            if not self.lc.llama_memory_seq_rm(self.mem, 0, self.pos - 1, -1) or self.pos_max() != self.pos - 2:
+                raise SparqError(f"{self.mode.name}: could not remove position {self.pos - 1}")
+            self.pos -= 1
+        depth = self.pos
         self._set_batch([token], depth, last_logits=True)
         w0 = machine.run_queue_wait_ns()
         t0 = time.perf_counter()
@@ -162,9 +173,14 @@ class _Context:
             raise SparqError(f"{self.mode.name}: llama_decode failed at S={depth} (code {rc})")
         if self.pos_max() != depth:
             raise SparqError(f"{self.mode.name}: the decode did not land at position {depth}")
-        if not self.lc.llama_memory_seq_rm(self.mem, 0, depth, -1) or self.pos_max() != depth - 1:
-            raise SparqError(f"{self.mode.name}: could not remove position {depth} again")
+        self.pos += 1
         return dt, wait
+
+
+def step_headroom(cfg: BenchConfig) -> int:
+    """Positions the steps may add beyond the depth: the first, warm-up, timed and retried steps."""
+    max_extra = cfg.max_extra_steps if cfg.max_extra_steps is not None else 3 * cfg.repeats
+    return 1 + cfg.warmup + cfg.repeats + max_extra
 
 
 def _warmup_steps(cfg: BenchConfig, mode: Mode, fill: str) -> int:
@@ -198,9 +214,10 @@ def pool_rounds(results: list, repeats: int) -> list:
         key = (r["depth"], r["mode"], r["fill"])
         if key not in pooled:
             pooled[key] = {**{k: v for k, v in r.items() if k != "round"}, "samples_s": [], "run_queue_wait_s": [],
-                           "disturbed": [], "first_step_s": [], "warmup_s": [], "fill_s": 0.0, "rounds": []}
+                           "disturbed": [], "first_step_s": [], "warmup_s": [], "rewind_step_s": [], "fill_s": 0.0,
+                           "rounds": []}
         p = pooled[key]
-        for f in ("samples_s", "run_queue_wait_s", "disturbed", "first_step_s", "warmup_s"):
+        for f in ("samples_s", "run_queue_wait_s", "disturbed", "first_step_s", "warmup_s", "rewind_step_s"):
             p[f] = p[f] + list(r.get(f, []))  # runs written before the first step was timed have none
         p["fill_s"] += r["fill_s"]
         p["rounds"].append({k: r[k] for k in ("median_s", "q1_s", "q3_s", "n_used", "timed_with",
@@ -246,11 +263,11 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
         mon = machine.CpuMonitor()
         for key, c in ctxs.items():
             # the first step after the fill: after a state load it includes SparQ's cache upkeep
-            first[key] = c.step(depth, token)[0]
+            first[key] = c.step(token)[0]
             bar.update(1)
             warm[key] = []
             for _ in range(_warmup_steps(cfg, MODES[key[0]], key[1])):
-                warm[key].append(c.step(depth, token)[0])
+                warm[key].append(c.step(token)[0])
                 bar.update(1)
             samples[key] = []
         kept = dict.fromkeys(ctxs, 0)
@@ -259,7 +276,7 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
             for key, c in ctxs.items():
                 if kept[key] >= cfg.repeats or len(samples[key]) >= cfg.repeats + max_extra:
                     continue
-                dt, wait = c.step(depth, token)
+                dt, wait = c.step(token)
                 disturbed = wait is not None and wait > cfg.disturbed_frac * dt
                 samples[key].append((dt, wait, disturbed))
                 if not disturbed:
@@ -275,6 +292,13 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
             if exhausted or timed_out:
                 bar.update(sum(max(0, cfg.repeats - kept[k]) for k in ctxs))
                 break
+        # steps right after a one-token rewind, alternating as above
+        bar.set_postfix_str(f"{tag}: decode after a rewind")
+        rewind = {key: [] for key in ctxs}
+        for _ in range(cfg.repeats):
+            for key, c in ctxs.items():
+                rewind[key].append(c.step(token, rewind=True)[0])
+                bar.update(1)
         others = mon.foreign_share()
     finally:
         for c in ctxs.values():
@@ -287,9 +311,10 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
             rec = {"depth": depth, "mode": mode.name, "fill": fill, "samples_s": [x[0] for x in samples[key]],
                    "run_queue_wait_s": [x[1] for x in samples[key]], "disturbed": [x[2] for x in samples[key]]}
             rec.update(_sample_stats(rec, cfg.repeats))
-            out.append({**rec, "first_step_s": [first[key]], "warmup_s": warm[key], "fill_s": fill_s[key], "bytes": by,
+            out.append({**rec, "first_step_s": [first[key]], "warmup_s": warm[key], "rewind_step_s": rewind[key],
+                        "fill_s": fill_s[key], "bytes": by,
                         "effective_gbs": by["total"] / rec["median_s"] / 1e9,
-                        "attention": ctxs[key].attention, "n_ctx": n_ctx_for(depth),
+                        "attention": ctxs[key].attention, "n_ctx": n_ctx_for(depth, step_headroom(cfg)),
                         "timed_with": [m.name for m in modes],
                         "other_processes_cpu_share": others, "waited_for_quiet_s": waited})
     return out
@@ -371,7 +396,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     k_std, v_std, scale_how = kv_scales(path, shape)
 
     tasks = [(d, m, f) for d in cfg.depths for m in cfg.modes for f in fills_at(cfg, d)]
-    steps = cfg.rounds * sum(1 + _warmup_steps(cfg, MODES[m], f) + cfg.repeats for _, m, f in tasks)
+    steps = cfg.rounds * sum(1 + _warmup_steps(cfg, MODES[m], f) + 2 * cfg.repeats for _, m, f in tasks)
     bar = tqdm(total=steps, desc="bench", unit="step", disable=not cfg.progress, leave=False)
     rng = np.random.default_rng(cfg.seed)
     token = int(rng.integers(3, shape.n_vocab))

@@ -10,8 +10,9 @@ from sparq_cpp.bench.e2e_config import KV_PAD, MIB, MODES, BenchConfig, Mode
 
 # ---- memory ------------------------------------------------------------------------------
 
-def n_ctx_for(depth: int) -> int:
-    return -(-(depth + 1) // KV_PAD) * KV_PAD
+def n_ctx_for(depth: int, steps: int = 1) -> int:
+    """The context for a cache filled to `depth`, then `steps` decode steps."""
+    return -(-(depth + max(1, steps)) // KV_PAD) * KV_PAD
 
 
 def fills_at(cfg: BenchConfig, depth: int) -> list:

@@ -50,8 +50,11 @@ def summarize(results: list, bandwidth_gbs: float) -> list:
         base = min(base_pool, key=lambda m: here[m]["median_s"]) if base_pool else None
         for m, r in here.items():
             first = r.get("first_step_s") or []
+            rewind = r.get("rewind_step_s") or []
             row = {"depth": depth, "mode": m, "fill": r["fill"], "median_s": r["median_s"],
                    "first_step_s": float(np.median(first)) if first else None,
+                   "rewind_step_s": float(np.median(rewind)) if rewind else None,
+                   "rewind_vs_steady": float(np.median(rewind)) / r["median_s"] if rewind else None,
                    "first_step_vs_base": None,
                    "bytes_total": r["bytes"]["total"],
                    "bandwidth_time_s": r["bytes"]["total"] / (bandwidth_gbs * 1e9),
@@ -123,6 +126,14 @@ def format_table(doc: dict) -> str:
             vb = f"{s['first_step_vs_base']:.2f}x base" if s.get("first_step_vs_base") else "base" if s["baseline"] == s["mode"] else ""
             lines.append(f"  S={fmt_depth(s['depth']):>5} {s['mode']:<11} {s['fill']:<9} {1e3 * s['first_step_s']:>8.1f} ms  "
                          f"{vb:>10}  {s['first_step_s'] / s['median_s']:.2f}x steady")
+    rewinds = [s for s in doc["summary"] if s.get("rewind_step_s")]
+    if rewinds:
+        lines.append("")
+        lines.append("a step right after removing the last token (speculative decoding, prompt reuse, regenerate), "
+                     "median; 'x steady' against the mode's own median step:")
+        for s in rewinds:
+            lines.append(f"  S={fmt_depth(s['depth']):>5} {s['mode']:<11} {s['fill']:<9} {1e3 * s['rewind_step_s']:>8.1f} ms  "
+                         f"{s['rewind_vs_steady']:.2f}x steady")
     if doc.get("fill_agreement"):
         lines.append("")
         lines.append("fill agreement (decode latency after a real prefill vs after the synthetic state load):")

@@ -71,6 +71,8 @@ def _lib():
         lib.llama_sparse_attn_set_next_context.argtypes = [ctypes.POINTER(llama_sparse_attn_params)]
         lib.llama_sparse_attn_load_projection.restype = ctypes.c_int32
         lib.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
+        lib.llama_sparse_attn_upkeep_n_cells.restype = ctypes.c_uint64
+        lib.llama_sparse_attn_upkeep_n_cells.argtypes = [ctypes.c_void_p]
     except AttributeError as e:
         raise SparqError(f"the installed llama.cpp has no sparse attention API ({e}); "
                          "run `make setup` to build the patched one") from None
@@ -102,6 +104,12 @@ def set_params(ctx, params: llama_sparse_attn_params) -> None:
     code = _lib().llama_set_sparse_attn(ctx, params)
     if code != 0:
         raise SparqError(strerror(code))
+
+
+def upkeep_n_cells(ctx) -> int:
+    """Cells whose K or V rows SparQ's cache upkeep has read since the context was created (a rebuild
+    after a state load counts every used cell, an edit the cells it touched)."""
+    return int(_lib().llama_sparse_attn_upkeep_n_cells(ctx))
 
 
 def get_params(ctx) -> llama_sparse_attn_params:

@@ -112,6 +112,9 @@ class Session:
         """One token per decode call (the sparse path); the logits of each step."""
         return [self.decode([(t, pos0 + i, seq, True)])[0] for i, t in enumerate(tokens)]
 
+    def upkeep_n_cells(self) -> int:
+        return sparse_api.upkeep_n_cells(self.ctx)
+
     # cache edits
     def seq_rm(self, seq, p0=-1, p1=-1):
         assert self.C.llama_memory_seq_rm(self.mem, seq, p0, p1)

@@ -133,11 +133,12 @@ def test_synthetic_fill_decodes_at_fixed_depth(models, preset, cache_type, kind)
         k_std, v_std, _ = e2e_model.kv_scales(path, shape)
         assert k_std is not None and k_std.shape == (shape.n_layer, shape.n_embd_kv)
         c.fill_synthetic(300, k_std, v_std, seed=0)
-        steps = [c.step(300, 7) for _ in range(3)]  # each step decodes at 300 and removes it again
-        assert all(t > 0 and (w is None or w >= 0) for t, w in steps) and c.pos_max() == 299
+        steps = [c.step(7) for _ in range(3)]  # steady steps decode at 300, 301, 302
+        assert all(t > 0 and (w is None or w >= 0) for t, w in steps) and c.pos_max() == 302
+        assert c.step(7, rewind=True)[0] > 0 and c.pos_max() == 302  # 302 removed, decoded again
         c.clear()
         c.fill_prefill(300, seed=0, n_vocab=shape.n_vocab)
-        assert c.step(300, 7)[0] > 0 and c.pos_max() == 299
+        assert c.step(7)[0] > 0 and c.pos_max() == 300
     finally:
         c.close()
 
