@@ -66,8 +66,9 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, loki_pca, mean_value, repeats, rounds, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
             max_extra_steps, wait_quiet, interleave, progress):
-    """Time ONE decoded token at depth S for each mode (median and IQR of repeated steps at a fixed
-    depth), with the bytes each token reads, the machine's read bandwidth, and the speed-up bound."""
+    """Time decoding one token at a time from depth S for each mode, as generation runs it (median and IQR
+    of steady steps), with the bytes each token reads, the machine's read bandwidth and the speed-up bound;
+    the first step after filling the cache and a step right after removing the last token are reported apart."""
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
                       r=r, k=k, l=l, d=d, loki_l=loki_l, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
