@@ -112,9 +112,9 @@ class RecordedGraph:
 
 
 def _write_input(path: Path, rank: int, n_threads: int, scale: float, r_or_d: int, top_k: int, n_local: int,
-                 mean_value: bool, slots: list[_Recorded | None]) -> None:
+                 mean_value: bool, slots: list[_Recorded | None], c: float = 0.0) -> None:
     with open(path, "wb") as f:
-        f.write(b"SQOP" + struct.pack("<IIIfiiii", 1, rank, n_threads, scale, r_or_d, top_k, n_local, int(mean_value)))
+        f.write(b"SQOP" + struct.pack("<IIIfiiiif", 2, rank, n_threads, scale, r_or_d, top_k, n_local, int(mean_value), c))
         for s in slots:
             if s is None:
                 f.write(struct.pack("<I", 0))
@@ -124,10 +124,10 @@ def _write_input(path: Path, rank: int, n_threads: int, scale: float, r_or_d: in
             f.write(raw)
 
 
-def _run(cmd: list[str], slots, rank, n_threads, scale, r_or_d, top_k, n_local, mean_value, shape) -> np.ndarray:
+def _run(cmd: list[str], slots, rank, n_threads, scale, r_or_d, top_k, n_local, mean_value, shape, c=0.0) -> np.ndarray:
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
-        _write_input(inp, rank, n_threads, scale, r_or_d, top_k, n_local, mean_value, slots)
+        _write_input(inp, rank, n_threads, scale, r_or_d, top_k, n_local, mean_value, slots, c)
         proc = subprocess.run([*cmd, str(inp), str(out)], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"op runner failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -158,6 +158,19 @@ def loki_attn(cmd, q, k, v, mask, kv_pos, scale, d, top_k, n_local=0, *, kv_type
              g.tensor(np.ascontiguousarray(kv_pos, dtype=np.int32), "i32"), None]
     y = _run(cmd, slots, 1, n_threads, scale, d, top_k, n_local, False, q.shape)
     return y, cache.k_values, cache.v_values
+
+
+def alisa_attn(cmd, q, k, v, mask, kv_pos, scale, sums, c, *, kv_type="f16", n_threads=2):
+    """As ggml_ops.alisa_attn(..., return_values=True), computed by the runner `cmd`: (y, weights, k, v)."""
+    g = RecordedGraph()
+    cache = go.KVCache(g, k, v, kv_type, need_kt=False)
+    sums = np.ascontiguousarray(sums, dtype=np.float32)
+    slots = [go.q_tensor(g, q), cache.k, None, cache.v, go.mask_tensor(g, mask),
+             g.tensor(np.ascontiguousarray(kv_pos, dtype=np.int32), "i32"), g.tensor(sums, "f32")]
+    n_y, n_w = int(np.prod(q.shape)), q.shape[0] * sums.shape[-2] * sums.shape[-1]
+    flat = _run(cmd, slots, 2, n_threads, scale, 0, 0, 0, False, (n_y + n_w,), c)
+    return (flat[:n_y].reshape(q.shape), flat[n_y:].reshape(q.shape[0], sums.shape[-2], sums.shape[-1]),
+            cache.k_values, cache.v_values)
 
 
 def build_host_runner(directory: Path) -> list[str]:

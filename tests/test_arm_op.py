@@ -1,8 +1,9 @@
 """The sparse attention op on aarch64: ggml cross-built with Debian's gcc-aarch64-linux-gnu and run under
-qemu-aarch64 (Debian's qemu-user), against the Numba reference on random and planted inputs (slow tier);
-in the fast tier, the kernel's source compiles for aarch64 and the runner reproduces the host's op
-bit for bit. Skipped, with the reason, where the cross compiler or qemu is not installed
-(`apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user`)."""
+qemu-aarch64 (Debian's qemu-user), against the Numba reference on random and planted inputs: a subset in
+the fast tier (SparQ, Loki and ALISA; f16 and q8_0 caches), every case in the slow tier. Also in the fast
+tier: the kernel's source compiles for aarch64, and the runner reproduces the host's op bit for bit.
+`.ci/run` installs the tools (`apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user`);
+the run fails if these checks are skipped (tests/conftest.py, REQUIRED_TESTS)."""
 from __future__ import annotations
 
 import subprocess
@@ -129,3 +130,80 @@ def test_all_visible_selected_equals_dense_on_aarch64(arm, kv_type):
     assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
     y, kv, vv = orun.loki_attn(arm, q, k, v, mask, pos, scale, 8, n_kv, 0, kv_type=kv_type)
     assert_close(y, DenseAttention()(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
+
+
+def alisa_reference(q, k, v, mask, pos, scale, sums, c):
+    """One step of ALISA's Sparse Window Attention from its definition: per row, the k = max(1, floor(n*c/2))
+    most recent visible cells and the k others with the largest window sums (the sums are distinct here),
+    then exact attention over those; the weights of each set's query heads summed. One set for every head."""
+    n_q, n_head, D = q.shape
+    g = n_head // k.shape[1]
+    y = np.zeros((n_q, n_head, v.shape[2]))
+    w = np.zeros((n_q, 1, k.shape[0]))
+    for t in range(n_q):
+        vis = np.nonzero(mask[t])[0]
+        kk = max(1, int(np.floor(vis.size * c / 2)))
+        recent = vis[np.argsort(-pos[vis], kind="stable")[:kk]]
+        others = np.setdiff1d(vis, recent)
+        keep = np.concatenate([recent, others[np.argsort(-sums[0, others], kind="stable")[:kk]]])
+        for h in range(n_head):
+            z = scale * (k[keep, h // g] @ q[t, h])
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            y[t, h] = p @ v[keep, h // g]
+            w[t, 0, keep] += p
+    return y, w
+
+
+def _check_sparq(arm, kind, kv_type, seed):
+    rng = np.random.default_rng(seed)
+    D, n_head_kv, n_kv = 128, 2, 1500
+    q, k, v = make_qkv(rng, 1, n_head_kv * 4, n_head_kv, D, n_kv, kind)
+    seq, pos = make_cache(rng, n_kv)
+    mask = make_mask(rng, seq, pos, 1)
+    scale = 1.0 / np.sqrt(D)
+    kt_type = "f32" if kv_type == "q8_0" else None  # rank the same numbers as the reference
+    y, kv, vv = orun.sparq_attn(arm, q, k, v, mask, pos, scale, 16, 64, 16, kv_type=kv_type, kt_type=kt_type)
+    assert_close(y, SparQAttention(16, 64, 16, True)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
+
+
+def _check_loki(arm, kind, kv_type, seed):
+    rng = np.random.default_rng(seed)
+    D, n_head_kv, n_kv = 128, 2, 1500
+    q, k, v = make_qkv(rng, 1, n_head_kv * 4, n_head_kv, D, n_kv, kind)
+    seq, pos = make_cache(rng, n_kv)
+    mask = make_mask(rng, seq, pos, 1)
+    scale = 1.0 / np.sqrt(D)
+    y, kv, vv = orun.loki_attn(arm, q, k, v, mask, pos, scale, 32, 64, 0, kv_type=kv_type)
+    assert_close(y, LokiAttention(identity(D, n_head_kv), 32, 64, 0)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
+
+
+def _check_alisa(arm, kind, kv_type, seed):
+    rng = np.random.default_rng(seed)
+    D, n_head_kv, n_kv, c = 128, 2, 1500, 0.1
+    q, k, v = make_qkv(rng, 1, n_head_kv * 4, n_head_kv, D, n_kv, kind)
+    seq, pos = make_cache(rng, n_kv, shuffle=True)
+    mask = make_mask(rng, seq, pos, 1)
+    sums = rng.permutation(n_kv).astype(np.float32)[None] / n_kv  # distinct: the selection has no ties
+    scale = 1.0 / np.sqrt(D)
+    y, w, kv, vv = orun.alisa_attn(arm, q, k, v, mask, pos, scale, sums, c, kv_type=kv_type)
+    y_ref, w_ref = alisa_reference(q, kv, vv, mask, pos, scale, sums, c)
+    assert_close(y, y_ref, OP_TOL[kv_type])
+    assert np.abs(w - w_ref).max() <= 1e-5 * q.shape[1]
+
+
+CHECKS = {"sparq": _check_sparq, "loki": _check_loki, "alisa": _check_alisa}
+
+
+# the fast tier's subset: each ranking on random and planted inputs, f16 and q8_0 caches
+@pytest.mark.parametrize("kind,kv_type", [("random", "f16"), ("planted", "q8_0")])
+@pytest.mark.parametrize("rank", list(CHECKS))
+def test_neon_subset_matches_reference_on_aarch64(arm, rank, kind, kv_type):
+    CHECKS[rank](arm, kind, kv_type, seed=11 + len(kv_type) + (kind == "planted"))
+
+
+@slow
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kind", ["random", "planted"])
+def test_alisa_matches_reference_on_aarch64(arm, kind, kv_type):
+    _check_alisa(arm, kind, kv_type, seed=31 + len(kv_type) + (kind == "planted"))

@@ -1,13 +1,13 @@
-// Runs one ggml_sparq_attn or ggml_loki_attn on the CPU backend from a file and writes the result.
+// Runs one ggml_sparq_attn, ggml_loki_attn or ggml_alisa_attn on the CPU backend from a file and writes the result.
 //
 // Built for another architecture (aarch64) and run under emulation, it checks the op there against the
 // reference on the host: tests/op_runner.py writes the inputs, this program computes, Python compares.
 //
 // Input (little-endian):
-//   "SQOP" u32 version=1
-//   u32 rank (0 = SparQ, 1 = Loki), u32 n_threads
-//   f32 scale, i32 r_or_d, i32 top_k, i32 n_local, i32 mean_value
-//   7 slots (q, k, kt, v, mask, pos, vmean), each:
+//   "SQOP" u32 version=2
+//   u32 rank (0 = SparQ, 1 = Loki, 2 = ALISA), u32 n_threads
+//   f32 scale, i32 r_or_d, i32 top_k, i32 n_local, i32 mean_value, f32 c (ALISA's caching ratio)
+//   7 slots (q, k, kt, v, mask, pos, vmean or ALISA's window sums), each:
 //     u32 present; if present: u32 type, i64 ne[4], u64 nb[4], u64 offset, u64 nbytes, nbytes of data
 //     (the tensor is a view of ne/nb at offset into its own buffer of nbytes)
 // Output: i64 ne[4] of the result, then its f32 data (contiguous).
@@ -94,7 +94,7 @@ int main(int argc, char ** argv) {
         die("not an op_runner input file");
     }
     read_exact(f, &version, 4);
-    if (version != 1) {
+    if (version != 2) {
         die("unknown input version");
     }
     read_exact(f, &rank, 4);
@@ -104,6 +104,8 @@ int main(int argc, char ** argv) {
     read_exact(f, &top_k, 4);
     read_exact(f, &n_local, 4);
     read_exact(f, &mean_value, 4);
+    float c;
+    read_exact(f, &c, 4);
 
     struct slot slots[N_SLOTS];
     memset(slots, 0, sizeof(slots));
@@ -115,7 +117,9 @@ int main(int argc, char ** argv) {
     fclose(f);
 
     const int64_t * qne = slots[SLOT_Q].ne;
-    const size_t out_bytes = (size_t) (slots[SLOT_V].ne[0] * qne[2] * qne[1] * qne[3]) * sizeof(float);
+    // ALISA's result also holds each row's weights over the cells
+    const size_t out_bytes = (size_t) (slots[SLOT_V].ne[0] * qne[2] * qne[1] * qne[3]) * sizeof(float) +
+        (rank == 2 ? (size_t) (slots[SLOT_VMEAN].ne[0] * slots[SLOT_VMEAN].ne[1] * qne[1]) * sizeof(float) : 0);
 
     struct ggml_init_params params = {
         /*.mem_size   =*/ total + 2*out_bytes + 64*ggml_tensor_overhead() + ggml_graph_overhead() + (1u << 20),
@@ -132,10 +136,23 @@ int main(int argc, char ** argv) {
         t[i] = slot_tensor(ctx, &slots[i]);
     }
 
-    struct ggml_tensor * out = rank == 0
-        ? ggml_sparq_attn(ctx, t[SLOT_Q], t[SLOT_K], t[SLOT_KT], t[SLOT_V], t[SLOT_MASK], t[SLOT_POS], t[SLOT_VMEAN],
-                scale, r_or_d, top_k, n_local, mean_value != 0)
-        : ggml_loki_attn(ctx, t[SLOT_Q], t[SLOT_K], t[SLOT_V], t[SLOT_MASK], t[SLOT_POS], scale, r_or_d, top_k, n_local);
+    struct ggml_tensor * out = NULL;
+    switch (rank) {
+        case 0:
+            out = ggml_sparq_attn(ctx, t[SLOT_Q], t[SLOT_K], t[SLOT_KT], t[SLOT_V], t[SLOT_MASK], t[SLOT_POS],
+                    t[SLOT_VMEAN], scale, r_or_d, top_k, n_local, mean_value != 0);
+            break;
+        case 1:
+            out = ggml_loki_attn(ctx, t[SLOT_Q], t[SLOT_K], t[SLOT_V], t[SLOT_MASK], t[SLOT_POS], scale, r_or_d,
+                    top_k, n_local);
+            break;
+        case 2:
+            out = ggml_alisa_attn(ctx, t[SLOT_Q], t[SLOT_K], t[SLOT_V], t[SLOT_MASK], t[SLOT_POS], t[SLOT_VMEAN],
+                    scale, c);
+            break;
+        default:
+            die("unknown rank");
+    }
 
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
