@@ -130,6 +130,22 @@ def test_removing_the_end_and_state_reload_continue_as_fresh(models):
                                                steps=[3, 4, 5, 6])
 
 
+@pytest.mark.parametrize("n_rewound", [1, 2, 5, 9])
+def test_rewinds_move_the_window_back_exactly(models, n_rewound):
+    """After removing the last tokens, the next decode step moves the window sums back by the few ring rows that
+    differ (not a sum of the whole window again); across window starts that moved, it continues as fresh."""
+    path, prompt, steps = models["tiny-gqa"], tokens(80, seed=5), list(range(3, 3 + 12))
+    a = open_llm(path, ALISA(c=0.3))
+    a.eval(prompt)
+    decode_one_by_one(a, steps)
+    a.n_tokens -= n_rewound  # llama_cpp's eval removes the cells >= n_tokens before the next batch
+    got = decode_one_by_one(a, [7, 8, 9])
+    b = open_llm(path, ALISA(c=0.3))
+    b.eval(prompt)
+    decode_one_by_one(b, steps[:-n_rewound])
+    assert rel(got, decode_one_by_one(b, [7, 8, 9])) <= 1e-6
+
+
 def test_edits_the_window_cannot_follow_are_refused(models):
     """Removing positions from the middle, or so many from the end that the next window's steps are no longer
     held, fails (as for recurrent models: process the sequence again) and leaves the cache as it was."""
