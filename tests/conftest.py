@@ -21,6 +21,8 @@ REQUIRED_TESTS = (
     "tests/test_arm_op.py::test_kernel_compiles_for_aarch64",               # NEON body compiles on aarch64
     "tests/test_arm_op.py::test_neon_subset_matches_reference_on_aarch64",  # and runs right, under qemu
     "tests/test_train_convert.py::",                                        # the demo model's training path
+    "tests/test_cuda_compile.py::",                                         # the CUDA kernels compile (nvcc)
+    "tests/test_cuda_emulated.py::",                                        # and agree with the CPU op, emulated
 )
 
 _required_skipped: list[str] = []
