@@ -5,7 +5,8 @@ S-token prompt, timed: ALISA attends to the prompt without flash attention, sinc
 window. Then decode steps alternate between the two contexts (the same token in each), so a disturbance of the
 machine hits both; the medians and the ratio of the medians are reported, beside the bytes each step reads (the
 model's weights, and the attention's KV data and window sums by sparq_cpp.transfer) and the read bandwidth
-measured here. The first decode step after the prompt is timed apart (it is a step users pay for).
+measured here. The first decode step after the prompt is timed apart (it is a step users pay for), and so are
+steps right after removing the last token (a rewind, as prompt reuse and regenerate do), alternating likewise.
 
     python -m sparq_cpp.bench.alisa_decode --model smollm2-135m --depths 2k,4k,8k --c 0.125 --threads 1 \\
         --json docs/alisa-decode-smollm2.json
@@ -72,6 +73,13 @@ def run_depth(path, S: int, c: float, steps: int, threads: int, seed: int) -> di
             times[name].append(1e3 * _timed(llm, [tok]))
     for name in contexts:
         res["step_ms"][name] = statistics.median(times[name])
+    # a step right after removing the last token (llama_cpp's eval removes the cells >= n_tokens first)
+    rewind = {name: [] for name in contexts}
+    for tok in tokens[1:]:
+        for name, llm in contexts.items():
+            llm.n_tokens -= 1
+            rewind[name].append(1e3 * _timed(llm, [tok]))
+    res["rewind_step_ms"] = {name: statistics.median(rewind[name]) for name in contexts}
     res["speedup"] = res["step_ms"]["dense"] / res["step_ms"]["alisa"]
     res["steps"] = steps
     heads = summary.n_layer * summary.n_head_kv
@@ -116,7 +124,8 @@ def main(model, depths, c, steps, threads, seed, json_path):
         click.echo(f"S={S:6d}  step dense {res['step_ms']['dense']:7.2f} ms  alisa {res['step_ms']['alisa']:7.2f} ms  "
                    f"x{res['speedup']:.2f} (bytes allow x{res['bound_speedup']:.2f})  first step dense "
                    f"{res['first_step_ms']['dense']:.1f} alisa {res['first_step_ms']['alisa']:.1f} ms  prompt dense "
-                   f"{res['prompt_s']['dense']:.1f} s alisa {res['prompt_s']['alisa']:.1f} s")
+                   f"{res['prompt_s']['dense']:.1f} s alisa {res['prompt_s']['alisa']:.1f} s  after a rewind dense "
+                   f"{res['rewind_step_ms']['dense']:.1f} alisa {res['rewind_step_ms']['alisa']:.1f} ms")
     doc = {"schema": SCHEMA, "model": path.name, "c": c, "threads": threads, "steps": steps,
            "model_bytes": weights, "bandwidth": bw, "machine": machine.machine_info(),
            "n_layer": summary.n_layer, "n_head_kv": summary.n_head_kv, "head_dim": summary.head_dim,
