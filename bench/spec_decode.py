@@ -18,89 +18,47 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import click
 
 from sparq_cpp.bench.alisa_decode import parse_depths
+from sparq_cpp.bench.server_process import ServerProcess
 from sparq_cpp.errors import SparqError
 from sparq_cpp.outfile import atomic_write
 
 SCHEMA = "sparq-cpp-spec-decode/1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """llama-server on 127.0.0.1 with one slot, up and healthy."""
+class _Server(ServerProcess):
+    """llama-server with one slot, flash attention and an f16 cache, with or without a draft model."""
 
     def __init__(self, model: Path, draft: Path | None, n_ctx: int, threads: int, attention: str | None,
                  draft_max: int, log_dir: Path):
         from sparq_cpp.pyext.build import tool_path
 
-        self.port = _free_port()
-        argv = [str(tool_path("llama-server")), "-m", str(model), "-c", str(n_ctx), "-fa", "on",
-                "-t", str(threads), "-tb", str(threads), "--parallel", "1", "--port", str(self.port),
-                "-ctk", "f16", "-ctv", "f16"]
-        if draft is not None:
-            argv += ["--model-draft", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+        def argv(port):
+            args = [tool_path("llama-server"), "-m", model, "-c", n_ctx, "-fa", "on", "-t", threads, "-tb", threads,
+                    "--parallel", 1, "--port", port, "-ctk", "f16", "-ctv", "f16"]
+            if draft is not None:
+                args += ["--model-draft", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", draft_max]
+            return args
+
         env = dict(os.environ)
         env.pop("LLAMA_SPARSE_ATTN", None)
         if attention:
             env["LLAMA_SPARSE_ATTN"] = attention
-        self.log_path = log_dir / f"server-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        t0 = time.time()
-        while time.time() - t0 < 120:
-            if self.proc.poll() is not None:
-                raise SparqError(f"llama-server exited with {self.proc.returncode}: "
-                                 f"{self.log_path.read_text()[-1500:]}")
-            try:
-                if self.get("/health").get("status") == "ok":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        self.close()
-        raise SparqError("llama-server did not come up within 120 s")
-
-    def _req(self, path, body=None):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
-        return urllib.request.urlopen(req, timeout=1800)
-
-    def get(self, path):
-        with self._req(path) as r:
-            return json.load(r)
+        super().__init__(argv, env=env, log_dir=log_dir, timeout_s=120, request_timeout_s=1800)
 
     def post(self, path, body):
         try:
-            with self._req(path, body) as r:
-                return json.load(r)
+            return super().post(path, body)
         except urllib.error.HTTPError as e:
             raise SparqError(f"llama-server answered {path} with {e.code}: {e.read().decode(errors='replace')[:500]}") from None
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def _prompt_tokens(server: _Server, depth: int, seed: int) -> list[int]:

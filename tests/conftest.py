@@ -4,14 +4,13 @@ import time, so a test file can import from it before or after its own skip."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from sparq_cpp.bench.server_process import ServerProcess
 
 # ---- checks that must not be skipped ----------------------------------------------------------
 
@@ -131,6 +130,14 @@ _WORDS = ("the of and to a in is it you that he was for on are with as his they 
           "each she which do their time if will way about many then them write would like so these her").split()
 
 
+def calibrated_projection(model, directory) -> Path:
+    """A Loki projection of `model` calibrated on calibration_text(), written into `directory`."""
+    from sparq_cpp.calib import calibrate, write_projection
+
+    pca = calibrate(model, calibration_text(), n_tokens=1024, ctx_size=512, n_threads=2)
+    return write_projection(Path(directory) / f"{Path(model).stem}.loki.gguf", pca, model, ctx_size=512)
+
+
 def calibration_text(n_words=3000, seed=0) -> str:
     """Deterministic text of common words (the synthetic models' vocabulary has them as pieces)."""
     rng = np.random.default_rng(seed)
@@ -160,52 +167,14 @@ def assert_one_line_error(proc, *needles):
 SERVER_N_CTX = 1024
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     """`sparq-cpp serve` on a free port of 127.0.0.1 (its arguments after the model's), up and healthy."""
 
     def __init__(self, model, *args, tmp_path=None):
-        self.port = _free_port()
         extra = ["--", "--slot-save-path", str(tmp_path)] if tmp_path is not None else []
-        self.log = open(tmp_path / f"server-{self.port}.log" if tmp_path else "/dev/null", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sparq_cpp.cli.main", "serve", "--gguf", str(model), "--port", str(self.port),
-             "--ctx-size", str(SERVER_N_CTX), "--threads", "2", *args, *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        t0 = time.time()
-        while time.time() - t0 < 60:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}: {self.text()[-1500:]}"
-            try:
-                if self.get("/health").get("status") == "ok":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the server did not come up within 60 s")
-
-    def text(self):
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def _req(self, path, body=None):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
-        return urllib.request.urlopen(req, timeout=120)
-
-    def get(self, path):
-        with self._req(path) as r:
-            return json.load(r)
-
-    def post(self, path, body):
-        with self._req(path, body) as r:
-            return json.load(r)
+        super().__init__(lambda port: [sys.executable, "-m", "sparq_cpp.cli.main", "serve", "--gguf", model,
+                                       "--port", port, "--ctx-size", SERVER_N_CTX, "--threads", 2, *args, *extra],
+                         log_dir=tmp_path)
 
     def stream(self, path, body):
         """The data events of a streamed response, parsed."""
@@ -221,13 +190,6 @@ class Server:
         body = {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw}
         return self.post("/v1/completions", body)["choices"][0]["text"]
 
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def assert_slot_restore_continues(server, prompt, n, filename):

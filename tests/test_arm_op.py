@@ -155,37 +155,33 @@ def alisa_reference(q, k, v, mask, pos, scale, sums, c):
     return y, w
 
 
-def _check_sparq(arm, kind, kv_type, seed):
-    rng = np.random.default_rng(seed)
+def _one_row(rng, kind, shuffle=False):
+    """One decode row over 1500 cells: 8 query heads on 2 KV heads of 128, and its scale."""
     D, n_head_kv, n_kv = 128, 2, 1500
     q, k, v = make_qkv(rng, 1, n_head_kv * 4, n_head_kv, D, n_kv, kind)
-    seq, pos = make_cache(rng, n_kv)
-    mask = make_mask(rng, seq, pos, 1)
-    scale = 1.0 / np.sqrt(D)
+    seq, pos = make_cache(rng, n_kv, shuffle=shuffle)
+    return q, k, v, make_mask(rng, seq, pos, 1), pos, 1.0 / np.sqrt(D)
+
+
+def _check_sparq(arm, kind, kv_type, seed):
+    q, k, v, mask, pos, scale = _one_row(np.random.default_rng(seed), kind)
     kt_type = "f32" if kv_type == "q8_0" else None  # rank the same numbers as the reference
     y, kv, vv = orun.sparq_attn(arm, q, k, v, mask, pos, scale, 16, 64, 16, kv_type=kv_type, kt_type=kt_type)
     assert_close(y, SparQAttention(16, 64, 16, True)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
 
 
 def _check_loki(arm, kind, kv_type, seed):
-    rng = np.random.default_rng(seed)
-    D, n_head_kv, n_kv = 128, 2, 1500
-    q, k, v = make_qkv(rng, 1, n_head_kv * 4, n_head_kv, D, n_kv, kind)
-    seq, pos = make_cache(rng, n_kv)
-    mask = make_mask(rng, seq, pos, 1)
-    scale = 1.0 / np.sqrt(D)
+    q, k, v, mask, pos, scale = _one_row(np.random.default_rng(seed), kind)
     y, kv, vv = orun.loki_attn(arm, q, k, v, mask, pos, scale, 32, 64, 0, kv_type=kv_type)
-    assert_close(y, LokiAttention(identity(D, n_head_kv), 32, 64, 0)(q, kv, vv, mask, pos, scale), OP_TOL[kv_type])
+    assert_close(y, LokiAttention(identity(q.shape[2], k.shape[1]), 32, 64, 0)(q, kv, vv, mask, pos, scale),
+                 OP_TOL[kv_type])
 
 
 def _check_alisa(arm, kind, kv_type, seed):
     rng = np.random.default_rng(seed)
-    D, n_head_kv, n_kv, c = 128, 2, 1500, 0.1
-    q, k, v = make_qkv(rng, 1, n_head_kv * 4, n_head_kv, D, n_kv, kind)
-    seq, pos = make_cache(rng, n_kv, shuffle=True)
-    mask = make_mask(rng, seq, pos, 1)
+    q, k, v, mask, pos, scale = _one_row(rng, kind, shuffle=True)
+    c, n_kv = 0.1, k.shape[0]
     sums = rng.permutation(n_kv).astype(np.float32)[None] / n_kv  # distinct: the selection has no ties
-    scale = 1.0 / np.sqrt(D)
     y, w, kv, vv = orun.alisa_attn(arm, q, k, v, mask, pos, scale, sums, c, kv_type=kv_type)
     y_ref, w_ref = alisa_reference(q, kv, vv, mask, pos, scale, sums, c)
     assert_close(y, y_ref, OP_TOL[kv_type])

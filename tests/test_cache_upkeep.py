@@ -303,12 +303,9 @@ def test_dense_context_has_no_upkeep(models):
 
 @pytest.fixture(scope="module")
 def loki_projection(models, tmp_path_factory):
-    from sparq_cpp.calib import calibrate, write_projection
-    from conftest import calibration_text
+    from conftest import calibrated_projection
 
-    path = models["tiny-gqa"]
-    pca = calibrate(path, calibration_text(), n_tokens=1024, ctx_size=512, n_threads=2)
-    return write_projection(tmp_path_factory.mktemp("upkeep-loki") / "tiny-gqa.loki.gguf", pca, path, ctx_size=512)
+    return calibrated_projection(models["tiny-gqa"], tmp_path_factory.mktemp("upkeep-loki"))
 
 
 @pytest.mark.parametrize("cache_type", CACHES)

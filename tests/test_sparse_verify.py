@@ -31,11 +31,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def projection(model, tmp_path_factory):
-    from sparq_cpp.calib import calibrate, write_projection
-    from conftest import calibration_text
+    from conftest import calibrated_projection
 
-    pca = calibrate(model, calibration_text(), n_tokens=1024, ctx_size=512, n_threads=2)
-    return write_projection(tmp_path_factory.mktemp("verify-loki") / "tiny-gqa.loki.gguf", pca, model, ctx_size=512)
+    return calibrated_projection(model, tmp_path_factory.mktemp("verify-loki"))
 
 
 def tokens(n, seed):
