@@ -145,11 +145,9 @@ def format_table(doc: dict) -> str:
 
 
 def plot(doc: dict, out_path) -> None:
-    import matplotlib
+    from sparq_cpp.lazy import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = {}
     modes = list(doc["config"]["modes"])

@@ -11,10 +11,9 @@ from sparq_cpp.outfile import atomic_write
 def rank_figure(path, rank_pre: np.ndarray, rank_post: np.ndarray, head_dim: int, model_name: str,
                 fraction: float = 0.9) -> Path:
     """rank_*: [n_layer, n_head_kv]; each panel plots the mean over KV heads per layer."""
-    import matplotlib
+    from sparq_cpp.lazy import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     pct = round(100 * fraction)

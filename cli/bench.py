@@ -7,12 +7,12 @@ from sparq_cpp.bench.compare import RERUN_TOL
 from sparq_cpp.bench.e2e import run
 from sparq_cpp.bench.e2e_config import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, parse_depths
 from sparq_cpp.bench.e2e_report import format_table
-from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, threads_type
+from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, progress_enabled, progress_option, threads_type
 from sparq_cpp.modelfactory import PRESETS, WTYPES
 
 
 @click.command("bench")
-@click.option("--model", "model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", "--gguf", "model", type=click.Path(dir_okay=False), default=None,
               help="GGUF to time (default: a synthetic Llama 2 7B-shaped model, written once and cached).")
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="llama2-7b", show_default=True,
               help="Geometry of the synthetic model.")
@@ -39,7 +39,7 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
               help="Run the sweep this many times, with fresh contexts, and pool the steps: a slow spell "
                    "or a bad memory placement in one round is outvoted.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
-@click.option("--threads", type=threads_type(), default=None, help=THREADS_HELP)
+@click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--fill", type=click.Choice(FILLS), default="synthetic", show_default=True,
               help="How the cache reaches depth S: a synthetic state load, a real prefill, or both (compared).")
 @click.option("--prefill-max", default="4k", show_default=True,
@@ -62,7 +62,7 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
               help="Before timing each (S, mode), wait up to this many seconds for other processes to go quiet.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@progress_option
 def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, loki_pca, mean_value, repeats, rounds, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
             max_extra_steps, wait_quiet, interleave, progress):
@@ -75,7 +75,7 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, lok
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=bandwidth_mib << 20, disturbed_frac=disturbed_frac,
                       max_extra_steps=max_extra_steps, wait_quiet=wait_quiet, interleave=interleave,
-                      progress=progress)
+                      progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(format_table(doc))
     for path, what in ((doc["config"]["json_path"], "json"), (doc["config"]["plot_path"], "plot")):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from sparq_cpp.cli.options import THREADS_HELP, threads_type
+from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
+                                   threads_type)
 from sparq_cpp.errors import SparqError
 
 
@@ -48,7 +49,7 @@ def _table(pca) -> str:
 
 
 @click.command("calibrate")
-@click.option("--gguf", "gguf_path", required=True, metavar="MODEL", help="Model GGUF file.")
+@model_option("Model GGUF file, or a known model name (smollm2-135m).", required=True)
 @click.option("--text", "texts", multiple=True, metavar="FILE",
               help="UTF-8 calibration text (repeatable; the files are read in order).")
 @click.option("--tokens", "n_tokens", type=int, default=16384, show_default=True,
@@ -61,8 +62,9 @@ def _table(pca) -> str:
                    "next to the model).")
 @click.option("--embed", is_flag=True, help="Write a copy of the model with the projection inside instead.")
 @click.option("--figure", default=None, metavar="PNG",
-              help="Also write the Loki paper's Figure 2 for this model (PNG).")
-def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
+              help="Also write the Loki paper's Figure 2 for this model (PNG; needs matplotlib, the [plot] extra).")
+@progress_option
+def command(model, texts, n_tokens, ctx_size, threads, out, embed, figure, progress):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
     from sparq_cpp.calib import calibrate, embed_projection, write_projection
     from sparq_cpp.outfile import check_writable
@@ -71,21 +73,24 @@ def command(gguf_path, texts, n_tokens, ctx_size, threads, out, embed, figure):
 
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
-    summary = check_gguf(gguf_path)
+    model = resolve_model(model)
+    summary = check_gguf(model)
     check_sparse(summary, "Loki")  # a projection is only of use to Loki
     if embed:
         from sparq_cpp.calib.projection import check_embeddable
 
         check_embeddable(summary.arch)
-    model = Path(gguf_path)
     out = check_writable(_out_path(model, out, embed), "--out")
     if figure is not None:
         check_writable(figure, "--figure")
+        from sparq_cpp.lazy import need
+
+        need("matplotlib", "--figure")  # now, not after the run
     text = _read_texts(texts)
 
     t0 = time.perf_counter()
     pca = calibrate(model, text, n_tokens=n_tokens, ctx_size=ctx_size, n_threads=threads,
-                    progress=sys.stderr.isatty())
+                    progress=progress_enabled(progress))
     seconds = time.perf_counter() - t0
     if embed:
         embed_projection(out, pca, model, ctx_size=ctx_size)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from sparq_cpp.cli.options import THREADS_HELP, threads_type
+from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
+                                   threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.outfile import check_writable
 
@@ -49,11 +50,8 @@ def _data(items):
 
 
 @click.command("eval")
-@click.option("--gguf", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model (default: the demo model, models/austen.q8_0.gguf).")
-@click.option("--model", "model_name", default=None, metavar="NAME",
-              help="A real model fetched on first use and checked by sha256 (sparq_cpp/real_models.py): "
-                   "smollm2-135m. Instead of --gguf.")
+@model_option("GGUF model file, or a real model fetched on first use and checked by sha256 "
+              "(sparq_cpp/real_models.py): smollm2-135m; default: the demo model, models/austen.q8_0.gguf.")
 @click.option("--tasks", "task_list", default="bpc,repetition,needle,kv,copy", show_default=True,
               help="Comma-separated, from: bpc, repetition, needle, kv, copy.")
 @click.option("--data", "data", multiple=True, metavar="TASK=PATH",
@@ -88,9 +86,9 @@ def _data(items):
               help="Write the config, every sample's record and the summary here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: score vs compression per method, a panel per task.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@progress_option
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
-def command(gguf, model_name, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
+def command(model, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
             sparq_r, sparq_local, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
             progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
@@ -123,22 +121,17 @@ def command(gguf, model_name, task_list, data, methods, ratios, samples, context
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):
         if path:
             check_writable(path, option)  # now, not after the run
-    if model_name is not None:
-        if gguf is not None:
-            raise SparqError("give --gguf or --model, not both")
-        from sparq_cpp.real_models import fetch
+    if plot_path:
+        from sparq_cpp.lazy import need
 
-        gguf = fetch(model_name, log=lambda msg: click.echo(msg, err=True))
-    if gguf is None:
-        from sparq_cpp.demo_model import default_model
-
-        gguf = default_model(lambda msg: click.echo(msg, err=True))
+        need("matplotlib", "--plot")
+    gguf = resolve_model(model)
     cfg = EvalConfig(
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
         data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_d=loki_d,
-        mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress)
+        mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     doc["summary"] = results.summarize(doc["records"])
     doc["grid"] = results.grid(doc["records"])

@@ -1,21 +1,25 @@
-"""`sparq-cpp generate`: stream text from a GGUF model, then report prompt and decode speed."""
+"""`sparq-cpp generate`: stream text from a GGUF model (through its chat template when it has one), then
+report why it stopped, prompt and decode speed, and the KV-cache data the last step read."""
 from __future__ import annotations
 
+import codecs
 import sys
 import time
 from pathlib import Path
 
 import click
 
-from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, attention_options, threads_type
+from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, attention_options, cache_type_options, cache_types,
+                                   flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
+DEFAULT_CHAT_PROMPT = "Tell me about yourself."
 
 
-def _read_prompt(prompt, prompt_file) -> str:
+def _read_prompt(prompt, prompt_file) -> str | None:
     if prompt is not None and prompt_file is not None:
-        raise SparqError("give either --prompt or --prompt-file, not both")
+        raise SparqError("give either --prompt or --file, not both")
     if prompt_file is not None:
         path = Path(prompt_file)
         if not path.is_file():
@@ -24,88 +28,172 @@ def _read_prompt(prompt, prompt_file) -> str:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise SparqError(f"prompt file {path} is not UTF-8 text") from None
-    return DEFAULT_PROMPT if prompt is None else prompt
-
-
-def _resolve_model(gguf):
-    if gguf is not None:
-        return Path(gguf)
-    from sparq_cpp.demo_model import default_model
-
-    return default_model(lambda msg: click.echo(msg, err=True))
+    return prompt
 
 
 class _Utf8Stream:
-    """Detokenized pieces can split a UTF-8 character; print only complete characters."""
+    """Detokenized pieces can split a UTF-8 character: write only complete characters (invalid bytes as U+FFFD)."""
 
     def __init__(self, out):
-        self.out, self.pending = out, b""
+        self.out, self.decoder = out, codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def write(self, data: bytes):
-        self.pending += data
-        text = self.pending.decode("utf-8", errors="ignore")
-        # keep an incomplete trailing sequence for the next piece
-        complete = len(text.encode("utf-8"))
-        if complete < len(self.pending) and len(self.pending) - complete < 4:
-            self.pending = self.pending[complete:]
-        else:
-            self.pending = b""
-        self.out.write(text)
+    def write(self, data: bytes, final: bool = False):
+        self.out.write(self.decoder.decode(data, final=final))
         self.out.flush()
 
 
+def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None,
+                           model: Path | None = None):
+    """The attention settings the options ask for. Loki without --loki-pca takes `<model stem>.loki.gguf`
+    next to the model when there is one (what `sparq-cpp calibrate` writes) and says so."""
+    from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
+
+    sparq_only = r is not None or no_mean_value
+    loki_only = d is not None or loki_pca is not None
+    shared = k is not None or l is not None
+    if c is not None and (sparq_only or loki_only or shared):
+        raise SparqError("--alisa-c is ALISA's setting and --sparq-r/--loki-d/--sparse-k/--sparse-l/--no-mean-value/"
+                         "--loki-pca are SparQ's and Loki's; ALISA takes only --alisa-c")
+    if attn is None:
+        if sparq_only and loki_only:
+            raise SparqError("--sparq-r/--no-mean-value are SparQ settings and --loki-d/--loki-pca Loki ones; "
+                             "pick one --attn")
+        attn = "alisa" if c is not None else "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
+    if attn == "dense" and (sparq_only or loki_only or shared or c is not None):
+        raise SparqError("--sparq-r/--loki-d/--sparse-k/--sparse-l/--alisa-c/--no-mean-value/--loki-pca are sparse "
+                         "attention settings; drop them or use --attn sparq, loki or alisa")
+    if attn == "alisa":
+        return ALISA(c=0.125 if c is None else c)
+    if c is not None:
+        raise SparqError("--alisa-c is an ALISA setting; use --attn alisa")
+    if attn == "sparq" and loki_only:
+        raise SparqError("--loki-d/--loki-pca are Loki settings; use --attn loki")
+    if attn == "loki" and sparq_only:
+        raise SparqError("--sparq-r/--no-mean-value are SparQ settings; use --attn sparq")
+    if attn == "sparq":
+        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value)
+    if attn == "loki":
+        if loki_pca is not None and not Path(loki_pca).is_file():
+            raise SparqError(f"--loki-pca: file not found: {loki_pca}")
+        if loki_pca is None and model is not None:
+            beside = default_projection(model)
+            if beside.is_file():
+                loki_pca = str(beside)
+                click.echo(f"loki    projection {beside} (next to the model; --loki-pca picks another)", err=True)
+        return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
+                    projection=loki_pca, variant=loki_variant)
+    return Dense()
+
+
+def default_projection(model: Path) -> Path:
+    """Where `sparq-cpp calibrate` writes a model's Loki projection by default."""
+    return model.with_name(model.stem + ".loki.gguf")
+
+
+def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
+    """The prompt's tokens through the model's own chat template (llama-cpp-python's Jinja2 formatter, as its
+    create_chat_completion uses it), and the template's name for the report."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata["tokenizer.chat_template"]
+    eos, bos = llm.token_eos(), llm.token_bos()
+    formatter = Jinja2ChatFormatter(template=template,
+                                    eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                                    bos_token=llm._model.token_get_text(bos) if bos != -1 else "")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+    try:
+        result = formatter(messages=messages)
+    except Exception as e:  # a template may raise_exception() on a conversation it does not take
+        raise SparqError(f"the model's chat template refused the conversation: {e}") from None
+    # the template writes BOS itself where the model wants one, as in llama-cpp-python's chat handler
+    return llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True), result.prompt
+
+
 @click.command("generate")
-@click.option("--gguf", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file (default: the demo model, models/austen.q8_0.gguf).")
-@click.option("--prompt", "-p", default=None, help=f"Prompt text (default: {DEFAULT_PROMPT!r}).")
-@click.option("--prompt-file", "-f", default=None, help="Read the prompt from this UTF-8 file.")
+@model_option("GGUF model file, or a known model name (smollm2-135m); default: the demo model, "
+              "models/austen.q8_0.gguf.")
+@click.option("--prompt", "-p", default=None,
+              help=f"Prompt text; special tokens such as <|im_start|> are parsed [chat: {DEFAULT_CHAT_PROMPT!r}, "
+                   f"raw: {DEFAULT_PROMPT!r}].")
+@click.option("--file", "-f", "--prompt-file", "prompt_file", default=None, help="Read the prompt from this UTF-8 file.")
+@click.option("--chat/--no-chat", "-cnv/-no-cnv", "chat", default=None,
+              help="Send the prompt as a user message through the model's chat template [default: on when the "
+                   "model has one]; --no-chat continues the raw text.")
+@click.option("--system-prompt", "-sys", "--system", "system", default=None, help="Chat: a system message first.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
-              help="Tokens to generate.")
+              help="Most tokens to generate; -1: until an end-of-generation token or a full context.")
 @click.option("--ctx-size", "-c", type=int, default=None,
               help="Context size (default: 4096, or the model's training context if that is shorter).")
 @click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--seed", "-s", type=int, default=0, show_default=True, help="Sampling seed.")
 @click.option("--temp", "--temperature", "temp", type=FiniteFloatRange(min=0), default=0.8, show_default=True,
               help="Sampling temperature; 0 is greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True,
-              help="Sample from the k most likely tokens; 0 = all.")
+              help="Sampling: the k most likely tokens; 0 = all. (Sparse attention's k is --sparse-k.)")
 @click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=0.95, show_default=True,
               help="Sample from the most likely tokens whose probabilities add up to p, in (0, 1].")
-@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
-              help="KV cache type.")
+@cache_type_options
+@flash_attn_option
 @attention_options
-def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp, top_k, top_p, cache_type,
-            attn, r, d, k, l, no_mean_value, loki_pca, loki_variant, c):
-    """Generate text, streaming it, then print prompt and decode speed."""
+def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, seed, temp, top_k, top_p,
+            cache_type_k, cache_type_v, cache_type, flash_attn, attn, r, d, k, l, no_mean_value, loki_pca, loki_variant, c):
+    """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
+    models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
+    the last step read against dense."""
     from sparq_cpp.llm import open_model
 
-    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c)
-    if n_predict < 1:
-        raise SparqError(f"-n must be >= 1, got {n_predict}")
+    if n_predict < 1 and n_predict != -1:
+        raise SparqError(f"-n must be >= 1, or -1 for no limit, got {n_predict}")
+    type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
     text = _read_prompt(prompt, prompt_file)
-    path = _resolve_model(gguf)
+    path = resolve_model(model)
+    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path)
+    fa = flash_attn_for(flash_attn, attention)
+    if system is not None and chat is False:
+        raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")
     if ctx_size is None:
         from sparq_cpp.gguf_check import check_gguf
 
         ctx_size = min(4096, check_gguf(path).n_ctx_train or 4096)
-    llm, summary = open_model(path, attention=attention, n_ctx=ctx_size,
-                              n_threads=threads, seed=seed, cache_type=cache_type)
-    tokens = llm.tokenize(text.encode("utf-8"), add_bos=True)
-    if len(tokens) + n_predict > ctx_size:
+    llm, summary = open_model(path, attention=attention, n_ctx=ctx_size, n_threads=threads, seed=seed,
+                              cache_type_k=type_k, cache_type_v=type_v,
+                              flash_attn={"on": True, "off": False, "auto": None}[fa])
+    has_template = "tokenizer.chat_template" in llm.metadata
+    if chat and not has_template:
+        raise SparqError(f"{path.name} has no chat template (tokenizer.chat_template); use --no-chat")
+    chat = has_template if chat is None else chat
+    if system is not None and not chat:
+        raise SparqError(f"--system-prompt needs chat mode, and {path.name} has no chat template")
+    if chat:
+        tokens, _ = _chat_prompt(llm, DEFAULT_CHAT_PROMPT if text is None else text, system)
+    else:
+        text = DEFAULT_PROMPT if text is None else text
+        tokens = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+    limit = ctx_size - len(tokens)
+    if n_predict != -1 and n_predict > limit:
         raise SparqError(f"the prompt is {len(tokens)} tokens; with -n {n_predict} that needs "
                          f"{len(tokens) + n_predict} positions, more than --ctx-size {ctx_size}")
+    if limit < 1:
+        raise SparqError(f"the prompt is {len(tokens)} tokens, which leaves no room in --ctx-size {ctx_size}")
 
     out = _Utf8Stream(sys.stdout)
-    out.write(text.encode("utf-8"))
+    if not chat:  # the raw text is continued, so it is shown; a chat shows only the answer
+        out.write(text.encode("utf-8"))
     t0 = time.perf_counter()
     llm.eval(tokens)
     t_prompt = time.perf_counter() - t0
 
-    eos, generated, t_decode = llm.token_eos(), 0, 0.0
-    prev = tokens[-1:]
-    for _ in range(n_predict):
+    import llama_cpp
+
+    vocab = llm._model.vocab
+    generated, t_decode, prev = 0, 0.0, tokens[-1:]
+    budget = limit if n_predict == -1 else n_predict
+    stop = f"-n {n_predict} reached" if n_predict != -1 else f"context full (--ctx-size {ctx_size})"
+    while generated < budget:
         tok = llm.sample(temp=temp, top_k=top_k, top_p=top_p) if temp > 0 else _greedy(llm)
-        if tok == eos:
+        if llama_cpp.llama_vocab_is_eog(vocab, tok):  # EOS and every other end of generation (<|eot_id|>, <|im_end|>)
+            what = "end of text" if tok == llm.token_eos() else "end of turn"
+            stop = f"{what} ({llm._model.token_get_text(tok)})"
             break
         out.write(llm.detokenize([tok], prev_tokens=prev))
         prev = [tok]
@@ -113,56 +201,37 @@ def command(gguf, prompt, prompt_file, n_predict, ctx_size, threads, seed, temp,
         t1 = time.perf_counter()
         llm.eval([tok])
         t_decode += time.perf_counter() - t1
+    out.write(b"", final=True)
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    click.echo(f"stop    {stop} after {generated} tokens", err=True)
+    if chat:
+        click.echo("chat    the model's chat template; --no-chat continues raw text instead", err=True)
     _report(summary, len(tokens), t_prompt, generated, t_decode, llm)
-    _report_reads(llm, summary, len(tokens) + generated)
-
-
-def _attention(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None):
-    from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
-
-    sparq_only = r is not None or no_mean_value
-    loki_only = d is not None or loki_pca is not None
-    shared = k is not None or l is not None
-    if c is not None and (sparq_only or loki_only or shared):
-        raise SparqError("--c is ALISA's setting and --r/--d/--k/--l/--no-mean-value/--loki-pca are SparQ's and Loki's; "
-                         "ALISA takes only --c")
-    if attn is None:
-        if sparq_only and loki_only:
-            raise SparqError("--r/--no-mean-value are SparQ settings and --d/--loki-pca Loki ones; pick one --attn")
-        attn = "alisa" if c is not None else "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
-    if attn == "dense" and (sparq_only or loki_only or shared or c is not None):
-        raise SparqError("--r/--d/--k/--l/--c/--no-mean-value/--loki-pca are sparse attention settings; "
-                         "drop them or use --attn sparq, loki or alisa")
-    if attn == "alisa":
-        if sparq_only or loki_only or shared:
-            raise SparqError("--r/--d/--k/--l/--no-mean-value/--loki-pca are SparQ and Loki settings; ALISA takes --c")
-        return ALISA(c=0.125 if c is None else c)
-    if c is not None:
-        raise SparqError("--c is an ALISA setting; use --attn alisa")
-    if attn == "sparq" and loki_only:
-        raise SparqError("--d/--loki-pca are Loki settings; use --attn loki")
-    if attn == "loki" and sparq_only:
-        raise SparqError("--r/--no-mean-value are SparQ settings; use --attn sparq")
-    if attn == "sparq":
-        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value)
-    if attn == "loki":
-        if loki_pca is not None and not Path(loki_pca).is_file():
-            raise SparqError(f"--loki-pca: file not found: {loki_pca}")
-        return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
-                    projection=loki_pca, variant=loki_variant)
-    return Dense()
+    _report_reads(llm, summary, llm.n_tokens)
 
 
 def _report_reads(llm, summary, n_kv):
     """Attention data the last step read, against dense, from docs/spec.md's transfer formulas."""
     from sparq_cpp.attention import Dense
 
+    name = llm.attention.name
+    if llm.cache_type is None:
+        click.echo(f"attn    {name}: reads are modelled for one cache type, not -ctk {llm.cache_type_k} with "
+                   f"-ctv {llm.cache_type_v}", err=True)
+        return
     heads = summary.n_layer * summary.n_head_kv
     dense = Dense().reads(n_kv, summary.head_dim, llm.cache_type) * heads
     used = llm.attention.reads(n_kv, summary.head_dim, llm.cache_type) * heads
-    click.echo(f"attn    {llm.attention.name}: the last step read {used / 1e6:.2f} MB of KV cache, dense reads "
-               f"{dense / 1e6:.2f} MB at n_kv={n_kv} ({used / dense:.3f} of dense)", err=True)
+    if isinstance(llm.attention, Dense):
+        click.echo(f"attn    dense: the last step read {dense / 1e6:.2f} MB of KV cache at n_kv={n_kv}", err=True)
+    elif used < dense:
+        click.echo(f"attn    {name}: the last step read {used / 1e6:.2f} MB of KV cache, dense reads "
+                   f"{dense / 1e6:.2f} MB at n_kv={n_kv} ({used / dense:.3f} of dense)", err=True)
+    else:  # too few positions for a sparse step to save anything: its ranking is extra work on top of them all
+        click.echo(f"attn    {name}: the last step read {used / 1e6:.2f} MB of KV cache, dense reads {dense / 1e6:.2f} MB "
+                   f"at n_kv={n_kv}: it read every position and ranked them too, so {name} saves nothing until the "
+                   "cache is well above what it attends to", err=True)
 
 
 def _greedy(llm):

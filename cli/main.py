@@ -22,7 +22,11 @@ class _Group(click.Group):
             sys.exit(130)
 
 
-@click.group(cls=_Group)
+# -h as in llama.cpp; subcommands inherit it
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
+
+
+@click.group(cls=_Group, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="sparq-cpp")
 def cli():
     """SparQ and Loki sparse attention for llama.cpp."""
@@ -45,7 +49,7 @@ def run_standalone(command) -> None:
     """Run a click command outside `sparq-cpp` (`python -m ...`) with the same error contract:
     a SparqError is one line on stderr and exit status 2, Ctrl-C exits 130."""
     try:
-        command(standalone_mode=False)
+        command(standalone_mode=False, help_option_names=CONTEXT_SETTINGS["help_option_names"])
     except SparqError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from sparq_cpp.cli.options import progress_enabled, progress_option
 from sparq_cpp.modelfactory import PRESETS, WTYPES, resolve_geometry, write_model
 from sparq_cpp.outfile import check_writable
 
@@ -30,13 +31,14 @@ def _size(n: int) -> str:
 @click.option("--ctx", "n_ctx_train", type=int, default=None, help="Override the training context length.")
 @click.option("--key-length", type=int, default=None,
               help="Head size, written as attention.key_length (default: n_embd / n_head, or the preset's).")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@progress_option
 def command(preset, layers, wtype, seed, out, progress, **overrides):
     """Write a synthetic GGUF model to --out (the preset's architecture: tiny-qwen3 is a qwen3 model)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     geo = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
     check_writable(out, "--out")  # its directory must exist: a mistyped path is not created
-    path = write_model(out, preset, layers=layers, wtype=wtype, seed=seed, progress=progress, **overrides)
+    path = write_model(out, preset, layers=layers, wtype=wtype, seed=seed, progress=progress_enabled(progress),
+                      **overrides)
     click.echo(f"{path}  {_size(path.stat().st_size)}")
     click.echo(f"preset {preset} ({geo.arch}), wtype {wtype}, seed {seed}: n_layer {geo.n_layer}, n_embd {geo.n_embd}, "
                f"n_head {geo.n_head}, n_head_kv {geo.n_head_kv}, head_dim {geo.head_dim}, "

@@ -1,9 +1,14 @@
-"""Option types shared by the subcommands: click reports a bad value as one line naming the option."""
+"""Options shared by the subcommands, spelled as llama.cpp spells them (-m, -c, -t, -ctk, -ctv, -fa); click
+reports a bad value as one line naming the option."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import click
+
+from sparq_cpp.errors import SparqError
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -25,28 +30,118 @@ def threads_type() -> click.IntRange:
 
 THREADS_HELP = "Threads (default: all usable cores; at most 4 per logical CPU, and 512)."
 
+# The cache types the transfer model, the reference and the tests cover.
+CACHE_TYPES = ["f16", "q8_0", "f32"]
+
+
+def model_option(help_text: str, **kw):
+    """-m/--model FILE as in llama.cpp; --gguf is the older spelling."""
+    return click.option("-m", "--model", "--gguf", "model", default=None, metavar="FILE", help=help_text, **kw)
+
+
+def resolve_model(model, log=lambda msg: click.echo(msg, err=True)) -> Path:
+    """The model file: `model` itself; a name from sparq_cpp.real_models (e.g. smollm2-135m) when no file
+    has that name (fetched and checked on first use); the demo model when None."""
+    if model is None:
+        from sparq_cpp.demo_model import default_model
+
+        return default_model(log)
+    from sparq_cpp.real_models import MODELS, fetch
+
+    if model in MODELS and not Path(model).exists():
+        return Path(fetch(model, log=log))
+    return Path(model)
+
+
+def cache_type_options(command):
+    """-ctk/--cache-type-k, -ctv/--cache-type-v (llama.cpp's), and --cache-type for both at once."""
+    options = [
+        click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(CACHE_TYPES), default=None,
+                     help="KV cache type for K [f16]."),
+        click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(CACHE_TYPES), default=None,
+                     help="KV cache type for V [f16]."),
+        click.option("--cache-type", "cache_type", type=click.Choice(CACHE_TYPES), default=None,
+                     help="KV cache type for both K and V."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def cache_types(cache_type, cache_type_k, cache_type_v) -> tuple[str, str]:
+    """(K type, V type) from --cache-type and -ctk/-ctv; a contradiction is refused, not resolved."""
+    for name, value in (("-ctk", cache_type_k), ("-ctv", cache_type_v)):
+        if cache_type is not None and value is not None and value != cache_type:
+            raise SparqError(f"--cache-type {cache_type} and {name} {value} disagree; give one of them")
+    return cache_type_k or cache_type or "f16", cache_type_v or cache_type or "f16"
+
+
+def flash_attn_option(command):
+    return click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                        show_default=True,
+                        help="Flash attention; sparse attention needs it (auto: on for SparQ, Loki and ALISA).")(command)
+
+
+def flash_attn_for(flash_attn: str, attention) -> str:
+    """-fa's value for `attention`: `auto` is `on` for a sparse mode, and `off` with one is refused."""
+    from sparq_cpp.attention import Dense
+
+    if isinstance(attention, Dense):
+        return flash_attn
+    if flash_attn == "off":
+        raise SparqError(f"-fa off: {attention.name} attention needs flash attention (V stored row-major); "
+                         "drop -fa off or use --attn dense")
+    return "on"
+
+
+def progress_option(command):
+    return click.option("--progress/--no-progress", "progress", default=None,
+                        help="Progress bars on stderr [default: on when stderr is a terminal].")(command)
+
+
+def progress_enabled(progress) -> bool:
+    """--progress/--no-progress, or by default whether stderr is a terminal (no bar frames in a log file)."""
+    return sys.stderr.isatty() if progress is None else progress
+
+
+class _AmbiguousC(click.Option):
+    """--c was ALISA's ratio beside -c (the context size): `--c 4096` meant as `-c 4096` ran ALISA at c = 4096."""
+
+    def process_value(self, ctx, value):
+        if value is not None:
+            raise click.BadParameter("ambiguous beside -c (the context size); ALISA's caching ratio is --alisa-c",
+                                     ctx=ctx, param=self)
+        return value
+
 
 def attention_options(command):
-    """The attention options of `generate` and `serve`: --attn, SparQ's --r/--no-mean-value, Loki's
-    --d/--loki-pca/--loki-variant, --k/--l for both, and ALISA's --c (see cli.generate._attention)."""
+    """The attention options of `generate` and `serve`: --attn, SparQ's --sparq-r/--no-mean-value, Loki's
+    --loki-d/--loki-pca/--loki-variant, --sparse-k/--sparse-l for both, and ALISA's --alisa-c (see
+    cli.generate.attention_from_options). --r, --d, --k, --l are kept as short aliases."""
     options = [
         click.option("--attn", type=click.Choice(["dense", "sparq", "loki", "alisa"]), default=None,
-                     help="Attention: dense, sparq (the default when --r or --k is given), loki (the default with --d) "
-                          "or alisa (the default with --c)."),
-        click.option("--r", "r", type=int, default=None, help="SparQ: query components used to rank positions [16]."),
-        click.option("--d", "d", type=int, default=None, help="Loki: principal components used to rank positions [32]."),
-        click.option("--k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step [128]."),
-        click.option("--l", "l", type=int, default=None,
-                     help="SparQ/Loki: most recent positions always kept [SparQ k/4, Loki 0]."),
+                     help="Attention: dense, sparq (the default when --sparq-r or --sparse-k is given), loki (the "
+                          "default with --loki-d) or alisa (the default with --alisa-c)."),
+        click.option("--sparq-r", "--r", "r", type=int, default=None,
+                     help="SparQ: query components used to rank positions, 1..head size [16]."),
+        click.option("--loki-d", "--d", "d", type=int, default=None,
+                     help="Loki: principal components used to rank positions, 1..head size [32]."),
+        click.option("--sparse-k", "--k", "k", type=int, default=None,
+                     help="SparQ/Loki: positions attended per step, >= 1 [128]."),
+        click.option("--sparse-l", "--l", "l", type=int, default=None,
+                     help="SparQ/Loki: most recent positions always kept, 0..k [SparQ k/4, Loki 0]."),
         click.option("--no-mean-value", is_flag=True,
                      help="SparQ: no mean-value reallocation (the paper's choice for GQA models, e.g. Llama 3, Mistral)."),
         click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
-                     help="Loki: projection GGUF from `sparq-cpp calibrate` (default: the one embedded in the model)."),
+                     help="Loki: projection GGUF from `sparq-cpp calibrate` (default: <model stem>.loki.gguf next "
+                          "to the model if there is one, else the projection embedded in the model)."),
         click.option("--loki-variant", type=click.Choice(["post", "pre"]), default="post", show_default=True,
                      help="Loki: basis calibrated on keys after or before RoPE."),
-        click.option("--c", "c", type=FiniteFloatRange(min=0, min_open=True), default=None,
-                     help="ALISA: caching ratio; of n positions, the floor(n*c/2) most recent and as many with the "
-                          "largest recent attention are attended [0.125]. Memory grows as n_ctx**2 * c/2 per layer."),
+        click.option("--alisa-c", "c", type=FiniteFloatRange(0, 1, min_open=True), default=None,
+                     help="ALISA: caching ratio in (0, 1]; of n positions, the floor(n*c/2) most recent and as many "
+                          "with the largest recent attention are attended [0.125]. Memory grows as n_ctx**2 * c/2 "
+                          "per layer."),
+        click.option("--c", "ambiguous_c", cls=_AmbiguousC, default=None, hidden=True, expose_value=False),
     ]
     for option in reversed(options):
         command = option(command)

@@ -3,12 +3,14 @@ SparQ or Loki, its settings checked before the server starts."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import click
 
-from sparq_cpp.cli.generate import _attention, _resolve_model
-from sparq_cpp.cli.options import THREADS_HELP, attention_options, threads_type
+from sparq_cpp.cli.generate import attention_from_options
+from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_option,
+                                   model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
 
 
@@ -33,14 +35,55 @@ def sparse_attn_env(attention) -> str | None:
     return None
 
 
-def server_command(path, attention, *, host, port, ctx_size, parallel, threads, cache_type, extra) -> tuple:
+# llama-server options that would replace what `sparq-cpp serve` checked, and its own option for each.
+_CHECKED = {
+    "-m": "-m", "--model": "-m", "-mu": "-m", "--model-url": "-m", "-hf": "-m", "-hfr": "-m", "--hf-repo": "-m",
+    "-hff": "-m", "--hf-file": "-m", "-dr": "-m", "--docker-repo": "-m",
+    "-c": "-c", "--ctx-size": "-c", "-np": "-np", "--parallel": "-np",
+    "-ctk": "-ctk", "--cache-type-k": "-ctk", "-ctv": "-ctv", "--cache-type-v": "-ctv",
+    "-fa": "-fa", "--flash-attn": "-fa", "-t": "-t", "--threads": "-t",
+    "--host": "--host", "--port": "--port",
+}
+
+
+def check_forwarded(extra) -> None:
+    """Options after `--` go to llama-server as they are, except those that would replace a setting this
+    command checked (the model, context, slots, cache types, flash attention, threads, address): refused."""
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in _CHECKED:
+            raise SparqError(f"{name} after `--` would override a setting sparq-cpp serve checks; give it as "
+                             f"sparq-cpp serve's own {_CHECKED[name]} (before `--`)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port once, as llama-server will (SO_REUSEADDR: a port in TIME_WAIT is free), so that a busy
+    port is one clear error here rather than the server exiting after loading the model."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SparqError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise SparqError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); another server may "
+                             "hold it, pick another --port") from None
+
+
+def server_command(path, attention, *, host, port, ctx_size, parallel, threads, cache_type_k="f16",
+                   cache_type_v="f16", flash_attn="auto", extra=()) -> tuple:
     """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
-    context creation would fail on (model, settings, projection)."""
+    context creation would fail on (model, settings, projection) and of the options after `--`."""
     from sparq_cpp.attention import ALISA, Dense, Loki
+    from sparq_cpp.cli.options import flash_attn_for
     from sparq_cpp.gguf_check import check_gguf, check_sparse
     from sparq_cpp.llm import check_alisa, check_loki_projection, default_threads, display_name
     from sparq_cpp.pyext.build import tool_path
 
+    check_forwarded(extra)
     summary = check_gguf(path)
     if not isinstance(attention, Dense):
         check_sparse(summary, display_name(attention))
@@ -57,12 +100,11 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
         raise SparqError(f"--parallel must be >= 1, got {parallel}")
     if isinstance(attention, ALISA) and parallel != 1:
         raise SparqError(f"ALISA keeps one window of past weights, so one sequence: --parallel must be 1, got {parallel}")
+    fa = flash_attn_for(flash_attn, attention)  # SparQ, Loki and ALISA read V row by row
     n_ctx = ctx_size if ctx_size is not None else min(4096, summary.n_ctx_train or 4096) * parallel
     argv = [str(tool_path("llama-server")), "-m", str(path), "--host", host, "--port", str(port),
             "-c", str(n_ctx), "-np", str(parallel), "-t", str(threads or default_threads()),
-            "-ctk", cache_type, "-ctv", cache_type]
-    if not isinstance(attention, Dense):
-        argv += ["-fa", "on"]  # SparQ, Loki and ALISA read V row by row
+            "-ctk", cache_type_k, "-ctv", cache_type_v, "-fa", fa]
     env = dict(os.environ)
     env.pop("LLAMA_SPARSE_ATTN", None)
     value = sparse_attn_env(attention)
@@ -71,32 +113,50 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
     return argv + list(extra), env
 
 
-@click.command("serve", context_settings={"ignore_unknown_options": True})
-@click.option("--gguf", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file (default: the demo model, models/austen.q8_0.gguf).")
+class _ServeCommand(click.Command):
+    """Only what follows `--` goes to llama-server: an option before it that this command does not know is an
+    error (a typo such as --temprature, or -m given twice), not forwarded."""
+
+    def parse_args(self, ctx, args):
+        args = list(args)
+        if "--" in args:
+            i = args.index("--")
+            args, ctx.meta["server_args"] = args[:i], args[i + 1:]
+        else:
+            ctx.meta["server_args"] = []
+        return super().parse_args(ctx, args)
+
+
+@click.command("serve", cls=_ServeCommand)
+@model_option("GGUF model file, or a known model name (smollm2-135m); default: the demo model, "
+              "models/austen.q8_0.gguf.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=8080, show_default=True, help="Port to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True, help="Port to listen on (checked to be free).")
 @click.option("--ctx-size", "-c", type=int, default=None,
               help="Context size of all slots together (default: 4096 per slot, or the model's training context).")
 @click.option("--parallel", "-np", type=int, default=1, show_default=True, help="Slots (requests served at once).")
 @click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
-@click.option("--cache-type", type=click.Choice(["f16", "q8_0", "f32"]), default="f16", show_default=True,
-              help="KV cache type.")
+@cache_type_options
+@flash_attn_option
 @attention_options
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
-@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def command(gguf, host, port, ctx_size, parallel, threads, cache_type, attn, r, d, k, l, no_mean_value, loki_pca,
-            loki_variant, c, print_command, server_args):
+def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_type_v, cache_type, flash_attn, attn,
+            r, d, k, l, no_mean_value, loki_pca, loki_variant, c, print_command):
     """Serve a model over HTTP with OpenAI-style /v1/chat/completions and /v1/completions (llama-server),
-    with SparQ, Loki or ALISA attention. Anything after `--` goes to llama-server as it is."""
-    attention = _attention(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c)
-    path = _resolve_model(gguf)
+    with SparQ, Loki or ALISA attention, its settings checked first. Options after `--` go to llama-server
+    as they are (e.g. `-- --alias mymodel --metrics`), except those that would replace a checked setting."""
+    server_args = click.get_current_context().meta["server_args"]
+    type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
+    path = resolve_model(model)
+    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path)
     argv, env = server_command(path, attention, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
-                               threads=threads, cache_type=cache_type, extra=server_args)
+                               threads=threads, cache_type_k=type_k, cache_type_v=type_v, flash_attn=flash_attn,
+                               extra=server_args)
     setting = env.get("LLAMA_SPARSE_ATTN", "dense")
     if print_command:
         click.echo(f"LLAMA_SPARSE_ATTN={setting} " + " ".join(argv))
         return
+    check_port_free(host, port)
     click.echo(f"serving {path.name} on http://{host}:{port} with {attention.name} attention ({setting}); "
                "GET /props reports it as sparse_attn", err=True)
     sys.stdout.flush()

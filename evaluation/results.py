@@ -181,11 +181,9 @@ def write_json(doc: dict, path) -> Path:
 def plot(doc: dict, path) -> Path:
     """Score vs compression ratio (log2 axis, achieved ratios), a panel per task, a line per method;
     dense is the point at 1 and a dotted line across, as in the SparQ paper's figures."""
-    import matplotlib
+    from sparq_cpp.lazy import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = doc.get("summary") or summarize(doc["records"])
     task_names = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(task_names), figsize=(4.2 * len(task_names), 3.6), squeeze=False)

@@ -118,6 +118,9 @@ def run(cfg: EvalConfig, log=print) -> dict:
     tok = tasks.Tokenizer(cfg.model_path)
     ref_model = None
     if any(s.backend == "ref" for s, _ in runs):
+        from sparq_cpp.lazy import need
+
+        need("numba", "the reference methods (exact-topk, h2o, lm-infinite, METHOD@ref)")
         from sparq_cpp.reference.gguf_model import load_llama
         ref_model = load_llama(cfg.model_path)
 

@@ -137,6 +137,7 @@ class ALISA:
 
     def __post_init__(self):
         _check_int32(self, ("min_n_kv",))
+        # above 1 every position is kept (the tests' way to compare with dense); the CLI takes (0, 1]
         if isinstance(self.c, bool) or not isinstance(self.c, numbers.Real) or not math.isfinite(self.c) or self.c <= 0:
             raise SparqError(f"c must be a finite number > 0 (ALISA's caching ratio), got {self.c!r}")
 
@@ -152,3 +153,57 @@ class ALISA:
 
 
 Attention = Dense | SparQ | Loki | ALISA
+
+
+# LLAMA_SPARSE_ATTN's keys per mode (README), and the settings field each one sets.
+_SPEC_KEYS = {
+    "sparq": {"r": "r", "k": "k", "l": "l", "mv": "mean_value", "min_n_kv": "min_n_kv", "prompt": "sparse_prompt"},
+    "loki": {"d": "d", "k": "k", "l": "l", "min_n_kv": "min_n_kv", "prompt": "sparse_prompt", "proj": "projection",
+             "variant": "variant"},
+    "alisa": {"c": "c", "min_n_kv": "min_n_kv"},
+    "dense": {},
+}
+
+
+def parse_attention(spec: str) -> Attention:
+    """Settings from a string in the syntax of the LLAMA_SPARSE_ATTN environment variable: "sparq:r=8,k=32",
+    "loki:d=32,k=128,proj=model.loki.gguf", "alisa:c=0.125", "dense"; keys left out keep their defaults.
+    Keys: sparq r, k, l, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, min_n_kv, prompt, proj,
+    variant (post|pre); alisa c, min_n_kv. No spaces, each key once."""
+    if not isinstance(spec, str):
+        raise SparqError(f"attention spec must be a string, got {spec!r}")
+    mode, _, rest = spec.partition(":")
+    if mode not in _SPEC_KEYS:
+        raise SparqError(f"attention {spec!r}: the mode must be one of {', '.join(_SPEC_KEYS)} "
+                         "(e.g. 'sparq:r=8,k=32')")
+    keys, fields = _SPEC_KEYS[mode], {}
+    for item in rest.split(",") if rest else ():
+        key, eq, value = item.partition("=")
+        if key not in keys:
+            known = ", ".join(keys) or "none"
+            raise SparqError(f"attention {spec!r}: unknown key {key!r} for {mode} (keys: {known})")
+        if not eq or not value:
+            raise SparqError(f"attention {spec!r}: {key} needs a value ({key}=...)")
+        if keys[key] in fields:
+            raise SparqError(f"attention {spec!r}: {key} is given twice")
+        fields[keys[key]] = _spec_value(spec, key, value)
+    cls = {"sparq": SparQ, "loki": Loki, "alisa": ALISA, "dense": Dense}[mode]
+    return cls(**fields)
+
+
+def _spec_value(spec: str, key: str, value: str):
+    if key in ("proj", "variant"):
+        return value
+    if key == "prompt":
+        if value not in ("dense", "sparse"):
+            raise SparqError(f"attention {spec!r}: prompt must be dense or sparse, got {value!r}")
+        return value == "sparse"
+    if key == "mv":
+        if value not in ("0", "1"):
+            raise SparqError(f"attention {spec!r}: mv must be 1 or 0, got {value!r}")
+        return value == "1"
+    try:
+        return float(value) if key == "c" else int(value)
+    except ValueError:
+        kind = "a number" if key == "c" else "an integer"
+        raise SparqError(f"attention {spec!r}: {key} must be {kind}, got {value!r}") from None

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 
-from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
+from sparq_cpp.attention import ALISA, Attention, Dense, Loki, SparQ, parse_attention
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse
 
-CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # name -> ggml type number (llama-cpp-python's type_k/type_v)
+CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
 
 
 def import_llama_cpp():
@@ -80,8 +81,10 @@ def check_loki_projection(attention: Loki, model_path) -> None:
     try:
         read_projection(model_path, variant=attention.variant)
     except SparqError as e:
-        raise SparqError(f"Loki needs a projection: {model_path} has none embedded ({e}); make one with "
-                         "`sparq-cpp calibrate` and pass it (--loki-pca FILE / Loki(projection=FILE))") from None
+        why = "has none embedded" if "no loki.version key" in str(e) else f"has no usable one embedded ({e})"
+        raise SparqError(f"Loki needs a projection: {model_path} {why}; make one with `sparq-cpp calibrate` "
+                         "(it writes <model stem>.loki.gguf next to the model, where generate and serve look "
+                         "first) or pass one (--loki-pca FILE / Loki(projection=FILE))") from None
 
 
 def check_alisa(model_path) -> None:
@@ -94,30 +97,61 @@ def check_alisa(model_path) -> None:
                          "weights follows one full-attention cache); use SparQ or Loki")
 
 
+def _cache_type_name(value, what: str) -> str:
+    """A KV cache type given by name ("q8_0") or as llama-cpp-python's ggml type number (8)."""
+    if isinstance(value, str) and value in CACHE_TYPES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value in CACHE_TYPE_NAMES:
+        return CACHE_TYPE_NAMES[value]
+    raise SparqError(f"{what}={value!r}: sparq-cpp runs f32, f16 and q8_0 caches (as names, or ggml type numbers "
+                     f"0, 1, 8; the sparse kernels and the transfer model cover those)")
+
+
+def cache_types(cache_type=None, type_k=None, type_v=None) -> tuple[str, str]:
+    """(K type, V type) from `cache_type` (both) and llama-cpp-python's `type_k`/`type_v`; f16 by default.
+    A type_k or type_v that contradicts cache_type is refused, not overridden."""
+    both = None if cache_type is None else _cache_type_name(cache_type, "cache_type")
+    out = []
+    for what, value in (("type_k", type_k), ("type_v", type_v)):
+        name = None if value is None else _cache_type_name(value, what)
+        if both is not None and name is not None and name != both:
+            raise SparqError(f"{what}={value!r} contradicts cache_type={cache_type!r}; pass one of them")
+        out.append(name or both or "f16")
+    return out[0], out[1]
+
+
 def _llama_class():
     llama_cpp = import_llama_cpp()
 
     class Llama(llama_cpp.Llama):
-        """llama_cpp.Llama with an `attention` setting (Dense() or SparQ(...)).
+        """llama_cpp.Llama with an `attention` setting: Dense(), SparQ(...), Loki(...) or ALISA(...), or the
+        same as a string in LLAMA_SPARSE_ATTN's syntax ("sparq:r=8,k=32", "loki:d=32,proj=m.loki.gguf",
+        "alisa:c=0.125", "dense").
 
-        The cache layout SparQ needs (a transposed copy of K) is decided when the context is
-        created, so pass the attention here; `set_attention` then changes r, k, l or switches
-        between SparQ and dense without recreating the context.
+        What a mode keeps in the cache (SparQ: a transposed copy of K and the V sums; Loki: keys in the
+        projection's basis; ALISA: a window of past attention weights) is decided when the context is
+        created, so pass the attention here; `set_attention` then changes the settings between decode
+        calls without recreating the context. The KV cache types are `cache_type` for both, or
+        llama-cpp-python's `type_k`/`type_v` (names or ggml type numbers): f32, f16 (default) or q8_0.
+        Errors are SparqError, a ValueError whose message names what is wrong.
         """
 
-        def __init__(self, model_path, attention=None, *, cache_type: str = "f16", **kwargs):
+        def __init__(self, model_path: str | os.PathLike, attention: Attention | str | None = None, *,
+                     cache_type: str | None = None, **kwargs) -> None:
             from sparq_cpp.pyext import sparse_api
 
-            attention = attention or Dense()
+            attention = parse_attention(attention) if isinstance(attention, str) else attention or Dense()
+            if not isinstance(attention, (Dense, SparQ, Loki, ALISA)):
+                raise SparqError(f"attention must be Dense(), SparQ(...), Loki(...), ALISA(...) or a string such as "
+                                 f"'sparq:r=8,k=32', got {attention!r}")
             summary = check_gguf(model_path)
             sparse = not isinstance(attention, Dense)
             if sparse:  # before the head size: a model may have no attention heads at all
                 check_sparse(summary, display_name(attention))
             attention.check(summary.head_dim)
-            if cache_type not in CACHE_TYPES:
-                raise SparqError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+            type_k, type_v = cache_types(cache_type, kwargs.pop("type_k", None), kwargs.pop("type_v", None))
             kwargs.setdefault("verbose", False)
-            kwargs.update(type_k=CACHE_TYPES[cache_type], type_v=CACHE_TYPES[cache_type])
+            kwargs.update(type_k=CACHE_TYPES[type_k], type_v=CACHE_TYPES[type_v])
             if isinstance(attention, Loki):
                 check_loki_projection(attention, model_path)
             if isinstance(attention, ALISA):
@@ -136,7 +170,8 @@ def _llama_class():
                 if sparse:
                     sparse_api.set_next_context(None)
             self.summary: GGUFSummary = summary
-            self.cache_type = cache_type
+            self.cache_type_k, self.cache_type_v = type_k, type_v
+            self.cache_type: str | None = type_k if type_k == type_v else None  # None: K and V differ
             self.attention = attention
             self._alisa_window = isinstance(attention, ALISA)  # the context keeps ALISA's window of past weights
 
@@ -156,9 +191,16 @@ def _llama_class():
             if hasattr(self, "_stack"):  # a constructor that raised leaves nothing to close
                 super().close()
 
-        def set_attention(self, attention) -> None:
+        def set_attention(self, attention: Attention | str) -> None:
+            """Change the attention between decode calls, without a new context (a settings object or a string
+            as in the constructor). Within what the context was created with: a SparQ context switches to other
+            SparQ settings or Dense(); a Loki context to other d, k, l (its basis stays) or Dense(); an ALISA
+            context to Dense() or a c no larger than the one it was created with; a dense context stays dense.
+            What the context cannot do is refused with SparqError."""
             from sparq_cpp.pyext import sparse_api
 
+            if isinstance(attention, str):
+                attention = parse_attention(attention)
             attention.check(self.summary.head_dim)
             sparse_api.set_params(self._ctx.ctx, _c_params(attention))
             self.attention = attention
@@ -186,13 +228,14 @@ def __getattr__(name):  # `from sparq_cpp.llm import Llama` gives the class itse
 
 
 def open_model(path, *, attention=None, n_ctx: int = 4096, n_threads: int | None = None, seed: int = 0,
-               cache_type: str = "f16", n_batch: int = 512, logits_all: bool = False,
-               flash_attn: bool = True):
+               cache_type: str | None = None, n_batch: int = 512, logits_all: bool = False,
+               flash_attn: bool = True, cache_type_k: str | None = None, cache_type_v: str | None = None):
     """A checked Llama for `path`: (llm, summary)."""
     if n_ctx < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {n_ctx}")
     n_threads = check_threads(default_threads() if n_threads is None else n_threads)
-    llm = llama_class()(path, attention, cache_type=cache_type, n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
+    llm = llama_class()(path, attention, cache_type=cache_type, type_k=cache_type_k, type_v=cache_type_v,
+                n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
                 n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads,
                 seed=seed, flash_attn=flash_attn, logits_all=logits_all)
     return llm, llm.summary

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.constants import GGML_QUANT_VERSION
 
 from sparq_cpp.errors import SparqError
@@ -47,6 +47,16 @@ QK_LOGIT_STD = 3.0
 # random order per KV head. 0.75 puts ~60% of the key variance in a quarter of the dimensions.
 SPECTRUM_POWER = 0.75
 _CHUNK = 1 << 24  # elements generated at a time
+
+# chat=True: ChatML, as SmolLM2 and Qwen use it. The end-of-turn token is not EOS (</s> stays EOS), as
+# Llama 3's <|eot_id|> is not, so a loop that stops only on EOS runs past the end of a turn.
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                 "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{% endif %}")
+# The end-of-turn row of output.weight is scaled by this: random weights rarely pick one token of
+# thousands; at 3.5 times the others' logit spread a greedy answer ends after a few dozen tokens.
+CHAT_END_GAIN = 3.5
 
 
 # q projection width is n_embd in these graphs (llama.cpp loads attn_q as {n_embd, n_embd})
@@ -320,8 +330,16 @@ def _add_metadata(w: GGUFWriter, g: ModelGeometry, preset: str, wtype: str, seed
     w.add_uint32("sparq.factory_version", FACTORY_VERSION)
 
 
-def _add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
+def chat_token_ids(n_vocab: int) -> tuple[int, int]:
+    """(start, end) of a chat model's turns: the last two tokens (fillers in other models)."""
+    return n_vocab - 2, n_vocab - 1
+
+
+def _add_tokenizer(w: GGUFWriter, n_vocab: int, chat: bool = False) -> None:
     vocab = build_vocab(n_vocab)
+    if chat:
+        for tid, text in zip(chat_token_ids(n_vocab), (CHAT_START, CHAT_END)):
+            vocab.tokens[tid], vocab.types[tid], vocab.scores[tid] = text, int(TokenType.CONTROL), 0.0
     w.add_tokenizer_model("llama")
     w.add_token_list(vocab.tokens)
     w.add_token_scores(vocab.scores)
@@ -333,6 +351,9 @@ def _add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
     w.add_add_eos_token(False)
     # No implicit leading space: detokenize(tokenize(text)) == text with or without BOS.
     w.add_add_space_prefix(False)
+    if chat:
+        w.add_eot_token_id(chat_token_ids(n_vocab)[1])
+        w.add_chat_template(CHAT_TEMPLATE)
 
 
 def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
@@ -348,13 +369,18 @@ def _add_tensor_infos(w: GGUFWriter, specs: list, wtype: str) -> None:
 
 
 def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype: str = "f32",
-                seed: int = 0, progress: bool = False, make_parents: bool = False, **overrides) -> Path:
+                seed: int = 0, progress: bool = False, make_parents: bool = False, chat: bool = False,
+                **overrides) -> Path:
     """Write a synthetic GGUF (the preset's architecture) to path (atomically) and return the path.
 
     overrides replace ModelGeometry fields of the preset; `layers` replaces n_layer. The same
     arguments always give a byte-identical file. path's directory must exist unless make_parents.
+    chat: an instruct model: ChatML special tokens and template, an end-of-turn token apart from EOS
+    (CHAT_TEMPLATE, CHAT_END_GAIN).
     """
     g = resolve_geometry(preset, layers=layers, wtype=wtype, **overrides)
+    if chat and wtype == "q8_0":
+        raise SparqError("chat: the end-of-turn row is written as floats; use wtype f32 or f16")
     if not _is_int(seed) or not 0 <= seed < 2**63:
         raise SparqError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
     path = Path(path).expanduser()
@@ -362,8 +388,8 @@ def write_model(path, preset: str = "tiny", *, layers: int | None = None, wtype:
         raise SparqError(f"path: {path} is a directory")
     check_resources(g, wtype, path)
     specs = list(_tensors(g, seed))
-    return atomic_write(path, lambda tmp: _write(tmp, g, specs, preset, wtype, seed, progress and path.name), "path",
-                        make_parents=make_parents)
+    return atomic_write(path, lambda tmp: _write(tmp, g, specs, preset, wtype, seed, progress and path.name, chat),
+                        "path", make_parents=make_parents)
 
 
 # Writing holds the tokenizer's strings, scores and types twice (as Python objects and packed).
@@ -404,11 +430,11 @@ def check_resources(g: ModelGeometry, wtype: str, path: Path) -> None:
 
 
 def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, seed: int,
-           progress: str | bool) -> None:
+           progress: str | bool, chat: bool = False) -> None:
     w = GGUFWriter(tmp, g.arch)
     try:
         _add_metadata(w, g, preset, wtype, seed)
-        _add_tokenizer(w, g.n_vocab)
+        _add_tokenizer(w, g.n_vocab, chat)
         _add_tensor_infos(w, specs, wtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -419,7 +445,10 @@ def _write(tmp: Path, g: ModelGeometry, specs: list, preset: str, wtype: str, se
             elif isinstance(row_std, _Vec):
                 w.write_tensor_data(row_std.values(seed, name, cols))
             else:
-                w.write_tensor_data(_matrix(_rng(seed, name), row_std(), cols, wtype))
+                m = _matrix(_rng(seed, name), row_std(), cols, wtype)
+                if chat and name == "output.weight":
+                    m[chat_token_ids(g.n_vocab)[1]] *= CHAT_END_GAIN
+                w.write_tensor_data(m)
     finally:
         w.close()
 
@@ -440,14 +469,16 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "models"
 
 
-def default_model_path(preset: str = "tiny", wtype: str = "f32", layers: int | None = None) -> Path:
+def default_model_path(preset: str = "tiny", wtype: str = "f32", layers: int | None = None,
+                       chat: bool = False) -> Path:
     """A cached model (seed 0), written on first use. Concurrent callers may both write it; each
     writes its own temporary file and replaces atomically, and the bytes are identical."""
     resolve_geometry(preset, layers=layers, wtype=wtype)  # fail before touching the cache
-    key = json.dumps([FACTORY_VERSION, preset, wtype, layers])
+    key = json.dumps([FACTORY_VERSION, preset, wtype, layers] + (["chat"] if chat else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     suffix = f"-L{layers}" if layers is not None else ""
+    suffix += "-chat" if chat else ""
     path = cache_dir() / f"{preset}-{wtype}{suffix}-{digest}.gguf"
     if not path.exists():
-        write_model(path, preset, layers=layers, wtype=wtype, seed=0, make_parents=True)
+        write_model(path, preset, layers=layers, wtype=wtype, seed=0, make_parents=True, chat=chat)
     return path

@@ -198,17 +198,21 @@ def test_cli_generate_and_serve(models):
 
     path = str(models["tiny-gqa"])
     proc = run_cli("generate", "--gguf", path, "-n", "8", "--temp", "0", "--prompt", "hello there " * 40,
-                   "--attn", "alisa", "--c", "0.2", "--cache-type", "f32", "-t", "1")
+                   "--attn", "alisa", "--alisa-c", "0.2", "--cache-type", "f32", "-t", "1")
     assert proc.returncode == 0, proc.stderr
     assert "attn    alisa: the last step read" in proc.stderr
-    proc = run_cli("serve", "--gguf", path, "--c", "0.2", "--print-command")
+    proc = run_cli("serve", "--gguf", path, "--alisa-c", "0.2", "--print-command")
     assert proc.returncode == 0 and "LLAMA_SPARSE_ATTN=alisa:c=0.2,min_n_kv=0 " in proc.stdout
     assert_one_line_error(run_cli("serve", "--gguf", path, "--attn", "alisa", "-np", "2", "--print-command"),
                           "--parallel must be 1")
-    assert_one_line_error(run_cli("generate", "--gguf", path, "--c", "0.2", "--k", "16"), "ALISA takes only --c")
-    assert_one_line_error(run_cli("generate", "--gguf", path, "--attn", "sparq", "--c", "0.2"), "use --attn alisa")
-    proc = run_cli("generate", "--gguf", path, "--c", "0")
-    assert proc.returncode == 2 and "--c" in proc.stderr
+    assert_one_line_error(run_cli("generate", "--gguf", path, "--alisa-c", "0.2", "--k", "16"),
+                          "ALISA takes only --alisa-c")
+    assert_one_line_error(run_cli("generate", "--gguf", path, "--attn", "sparq", "--alisa-c", "0.2"), "use --attn alisa")
+    for c in ("0", "1.5"):  # c is a share of the positions, in (0, 1]
+        proc = run_cli("generate", "--gguf", path, "--alisa-c", c)
+        assert proc.returncode == 2 and "'--alisa-c'" in proc.stderr and "0<x<=1" in proc.stderr, proc.stderr
+    proc = run_cli("generate", "--gguf", path, "--c", "4096")  # meant as -c 4096: refused, not run as ALISA
+    assert proc.returncode == 2 and "ambiguous beside -c" in proc.stderr and "--alisa-c" in proc.stderr, proc.stderr
 
 
 def test_server_reports_alisa_and_restores_a_slot(models, tmp_path):
@@ -217,7 +221,7 @@ def test_server_reports_alisa_and_restores_a_slot(models, tmp_path):
     a saved slot restored after an erase continues with the same text."""
     from conftest import Server, assert_slot_restore_continues
 
-    server = Server(models["tiny"], "--c", "0.25", tmp_path=tmp_path)
+    server = Server(models["tiny"], "--alisa-c", "0.25", tmp_path=tmp_path)
     try:
         props = server.get("/props")["sparse_attn"]
         assert props["mode"] == "alisa" and props["c"] == pytest.approx(0.25)

@@ -219,8 +219,10 @@ def test_generate_cli_with_loki(models):
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("hello there")
     assert "loki" in ok.stderr and "dense reads" in ok.stderr
-    # --d alone selects Loki; the model has no embedded projection
-    assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "16"), "needs a projection")
+    # --d alone selects Loki, with the projection next to the model (<stem>.loki.gguf, as calibrate writes it)
+    assert proj == path.with_name(path.stem + ".loki.gguf")
+    found = run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "16")
+    assert found.returncode == 0 and f"loki    projection {proj} (next to the model" in found.stderr, found.stderr
     assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "0", "--loki-pca", str(proj)),
                           "d must be in 1..64")
     assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--r", "4", "--d", "16"),

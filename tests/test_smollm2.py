@@ -192,7 +192,7 @@ def test_alisa_in_llama_cpp_agrees_with_the_reference_and_runs_in_the_tools(mode
     proc = subprocess.run(completion, env=os.environ | {"LLAMA_SPARSE_ATTN": "alisa:c=0.125,k=64"}, capture_output=True,
                           text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode > 0
-    proc = run_cli("generate", "--gguf", str(model), "--attn", "alisa", "--c", "0.125", "--prompt-file", str(prompt),
+    proc = run_cli("generate", "--gguf", str(model), "--attn", "alisa", "--alisa-c", "0.125", "--prompt-file", str(prompt),
                    "-n", "8", "-t", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = re.search(r"\(([0-9.]+) of dense\)", proc.stdout + proc.stderr)
