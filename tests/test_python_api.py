@@ -1,0 +1,113 @@
+"""The Python API as a llama-cpp-python user meets it: type_k/type_v honoured or refused with the reason,
+SparqError caught as ValueError, `attention=` as a string in LLAMA_SPARSE_ATTN's syntax, typing marker."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import sparq_cpp
+from sparq_cpp import ALISA, Dense, Loki, SparQ, SparqError
+from sparq_cpp.attention import parse_attention
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("dense", Dense()),
+    ("sparq", SparQ()),
+    ("sparq:r=8,k=32", SparQ(r=8, k=32)),
+    ("sparq:r=8,k=32,l=4,mv=0,min_n_kv=256,prompt=sparse",
+     SparQ(r=8, k=32, l=4, mean_value=False, min_n_kv=256, sparse_prompt=True)),
+    ("loki:d=16,k=64,proj=m.loki.gguf,variant=pre", Loki(d=16, k=64, projection="m.loki.gguf", variant="pre")),
+    ("alisa:c=0.25", ALISA(c=0.25)),
+])
+def test_attention_spec_strings(spec, want):
+    assert parse_attention(spec) == want
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("sparse", "the mode must be one of"),
+    ("sparq:r=8,d=4", "unknown key 'd' for sparq"),
+    ("sparq:r=8,r=9", "r is given twice"),
+    ("sparq:r=", "r needs a value"),
+    ("sparq:r=eight", "r must be an integer"),
+    ("sparq:mv=yes", "mv must be 1 or 0"),
+    ("loki:prompt=all", "prompt must be dense or sparse"),
+    ("alisa:c=0", "c must be a finite number > 0"),
+    ("alisa:k=4", "unknown key 'k' for alisa"),
+    ("dense:k=4", "unknown key 'k' for dense"),
+])
+def test_bad_attention_specs_are_refused(spec, message):
+    with pytest.raises(SparqError, match=message.replace("(", r"\(")):
+        parse_attention(spec)
+
+
+def test_sparq_error_is_a_value_error():
+    assert issubclass(SparqError, ValueError)
+
+
+def test_typing_marker_and_docstrings():
+    assert (Path(sparq_cpp.__file__).parent / "py.typed").is_file()
+    pytest.importorskip("llama_cpp")
+    from sparq_cpp import Llama
+
+    for name in ("Loki", "ALISA", "type_k", "ValueError"):
+        assert name in Llama.__doc__, name
+    assert "Dense()" in Llama.set_attention.__doc__
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    pytest.importorskip("llama_cpp")
+    from sparq_cpp.modelfactory import default_model_path
+
+    return default_model_path()
+
+
+def test_missing_file_is_caught_as_value_error(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from sparq_cpp import Llama
+
+    with pytest.raises(ValueError, match="not found"):
+        Llama(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("kwargs,want", [
+    ({}, (1, 1, "f16")),
+    ({"type_k": 8, "type_v": 8}, (8, 8, "q8_0")),
+    ({"type_k": "q8_0"}, (8, 1, None)),
+    ({"type_v": 0}, (1, 0, None)),
+    ({"cache_type": "f32"}, (0, 0, "f32")),
+    ({"cache_type": "q8_0", "type_k": "q8_0", "type_v": 8}, (8, 8, "q8_0")),
+])
+def test_type_k_and_type_v_are_honoured(tiny, kwargs, want):
+    from sparq_cpp import Llama
+
+    llm = Llama(tiny, "sparq:r=8,k=16", n_ctx=64, **kwargs)
+    try:
+        assert (llm.context_params.type_k, llm.context_params.type_v, llm.cache_type) == want
+        assert llm.attention == SparQ(r=8, k=16)
+        llm.eval(llm.tokenize(b"hello there"))
+        llm.set_attention("sparq:r=4,k=8")
+        assert llm.attention == SparQ(r=4, k=8)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"type_k": 2}, "type_k=2: sparq-cpp runs f32, f16 and q8_0 caches"),
+    ({"type_v": "q4_0"}, "type_v='q4_0': sparq-cpp runs f32, f16 and q8_0 caches"),
+    ({"cache_type": "f16", "type_k": 8}, "type_k=8 contradicts cache_type='f16'"),
+    ({"cache_type": "bf16"}, "cache_type='bf16'"),
+])
+def test_unsupported_or_contradicting_cache_types_are_refused(tiny, kwargs, message):
+    from sparq_cpp import Llama
+
+    with pytest.raises(SparqError, match=message.replace("(", r"\(")):
+        Llama(tiny, n_ctx=64, **kwargs)
+
+
+def test_attention_of_another_type_is_refused(tiny):
+    from sparq_cpp import Llama
+
+    with pytest.raises(SparqError, match="attention must be Dense"):
+        Llama(tiny, attention=16, n_ctx=64)
