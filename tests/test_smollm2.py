@@ -197,3 +197,19 @@ def test_alisa_in_llama_cpp_agrees_with_the_reference_and_runs_in_the_tools(mode
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = re.search(r"\(([0-9.]+) of dense\)", proc.stdout + proc.stderr)
     assert found and 0 < float(found.group(1)) < 0.5, (proc.stdout + proc.stderr)[-500:]
+
+
+@pytest.mark.parametrize("attn", [(), ("--sparq-r", "8", "--sparse-k", "64")])
+def test_generate_answers_an_instruct_question_and_stops_at_the_end_of_turn(model, attn):
+    """The first thing a user tries on an instruct model: a question, through the model's ChatML template;
+    the answer ends at <|im_end|> (SmolLM2's EOS and end of turn), well before -n."""
+    import re
+
+    from conftest import run_cli
+
+    proc = run_cli("generate", "-m", str(model), "-p", "What is the capital of France? Answer in one sentence.",
+                   "-n", "64", "--temp", "0", "-t", str(THREADS), *attn)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout and "<|im" not in proc.stdout, proc.stdout
+    stop = re.search(r"^stop\s+end of \w+ \(<\|im_end\|>\) after (\d+) tokens", proc.stderr, re.M)
+    assert stop and 0 < int(stop.group(1)) < 64, proc.stderr
