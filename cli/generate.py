@@ -192,7 +192,8 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     while generated < budget:
         tok = llm.sample(temp=temp, top_k=top_k, top_p=top_p) if temp > 0 else _greedy(llm)
         if llama_cpp.llama_vocab_is_eog(vocab, tok):  # EOS and every other end of generation (<|eot_id|>, <|im_end|>)
-            what = "end of text" if tok == llm.token_eos() else "end of turn"
+            what = ("EOS" if tok == llm.token_eos() else "end of turn" if tok == llama_cpp.llama_vocab_eot(vocab)
+                    else "end of generation")
             stop = f"{what} ({llm._model.token_get_text(tok)})"
             break
         out.write(llm.detokenize([tok], prev_tokens=prev))
