@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 
-from sparq_cpp.bench.stateblob import KVLayout, blob_size
+from sparq_cpp.bench.stateblob import LAYOUT_KT, KVLayout, SparseLayout, blob_size
 from sparq_cpp.bench.transfer_model import ModelShape
 from sparq_cpp.bench.e2e_config import KV_PAD, MIB, MODES, BenchConfig, Mode
 
@@ -32,8 +32,8 @@ def estimate_memory(shape: ModelShape, mode: Mode, depth: int, fills: list, pref
     together so their steps can alternate), each: K and V caches (n_ctx cells, padded to 256) +
     the transposed K copy (SparQ) + compute buffers (ubatch-sized; the KQ matrix without flash
     attention; llama-cpp-python's batch). Shared: the weights (memory-mapped, all resident), the
-    larger of the synthetic state blob (alive while it loads) and the host buffers of SparQ's
-    rebuild of the K copy after a state load (K as f32, K^T as f32 and f16), and a fixed 400 MiB
+    larger of the synthetic state blob (alive while it loads; SparQ's holds K^T as well) and the host
+    buffers of SparQ's rebuild of the K copy from K (K as f32, K^T as f32 and f16), and a fixed 400 MiB
     for Python, numpy and llama.cpp's own allocations.
     """
     L, Ekv, E = shape.n_layer, shape.n_embd_kv, shape.n_embd
@@ -51,7 +51,8 @@ def estimate_memory(shape: ModelShape, mode: Mode, depth: int, fills: list, pref
     transient = 0
     if "synthetic" in fills:
         layout = KVLayout(L, Ekv, Ekv, mode.cache_type, not mode.flash_attn)
-        transient = blob_size(layout, depth)
+        # a SparQ context's state carries K^T too
+        transient = blob_size(layout, depth, SparseLayout(LAYOUT_KT) if mode.kind == "sparq" else None)
         if mode.kind == "sparq":
             transient = max(transient, n_ctx * Ekv * (bpe + 4 + 4 + 2))
     parts = {"weights": shape.weight_bytes, "kv_cache": kv, "k_transposed": kt, "compute": compute,

@@ -15,8 +15,18 @@ no PLE, so no per-cell `ext`), one stream, all little-endian:
         v_trans == 1: per layer: i32 v_type, u32 v_elem_bytes, u32 n_embd_v_gqa,
                       then V transposed: n_embd_v_gqa runs of cell_count elements
 
-The SparQ patches serialise nothing more (the transposed K copy and the V sums are rebuilt from K
-and V at the next decode), so the same blob fills a dense or a SparQ context.
+A cache with a sparse attention layout writes a header before n_stream, and SparQ's transposed K
+copy after each stream's data (llama-kv-cache.cpp `state_write_layout`, `state_write_kt`):
+
+    u32 0x54415053 ("SPAT"), u32 version (1), u32 layout bits (1: K^T, 2: Loki, 4: ALISA),
+    f32 ALISA c, u64 Loki basis fingerprint
+    ... per stream after the data, with K^T: u32 has_kt, then if 1, per layer:
+        i32 kt_type (f32 for an f32 K, else f16), u32 n_embd_k_gqa, then K^T: n_embd_k_gqa runs of
+        cell_count elements (K dequantized, transposed)
+
+A blob with K^T fills a SparQ context as the state of a SparQ context does (its first step reads V
+for the sums, not K again); a dense context skips the K^T. A blob without it fills both, and a
+SparQ context then rebuilds K^T from K at its first step. The V sums are never serialised.
 """
 from __future__ import annotations
 
@@ -28,6 +38,9 @@ import numpy as np
 from sparq_cpp.errors import SparqError
 
 STATE_SEQ_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
+LAYOUT_MAGIC = 0x54415053  # llama-kv-cache.cpp LLAMA_KV_STATE_LAYOUT_MAGIC
+LAYOUT_VERSION = 1
+LAYOUT_KT, LAYOUT_LOKI, LAYOUT_ALISA = 1, 2, 4
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 QK8_0 = 32
@@ -65,11 +78,43 @@ class KVLayout:
         return 4 if self.cache_type == "f32" else 2  # only used for a transposed (never q8_0) V
 
 
-def blob_size(layout: KVLayout, n_cells: int) -> int:
+@dataclass(frozen=True)
+class SparseLayout:
+    """The header a cache with a sparse attention layout writes first: LAYOUT_* bits, ALISA's c,
+    the Loki basis fingerprint."""
+
+    bits: int
+    alisa_c: float = 0.0
+    basis: int = 0
+
+    @property
+    def kt(self) -> bool:
+        return bool(self.bits & LAYOUT_KT)
+
+
+def sparse_layout(blob) -> SparseLayout | None:
+    """The sparse attention layout a sequence-state blob starts with (None: a plain cache's state).
+    The state of an empty sequence gives a context's own layout."""
+    buf = bytes(blob[:32])
+    if len(buf) < 12 or struct.unpack_from("<I", buf, 8)[0] != LAYOUT_MAGIC:
+        return None
+    version, bits, c, basis = struct.unpack_from("<IIfQ", buf, 12)
+    if version != LAYOUT_VERSION:
+        raise SparqError(f"unsupported state layout version {version}")
+    return SparseLayout(bits, c, basis)
+
+
+def blob_size(layout: KVLayout, n_cells: int, sparse: SparseLayout | None = None) -> int:
     """Bytes of a one-sequence state blob holding n_cells cells."""
     size = 4 + 4 + 4 + 4  # magic, seq_id, n_stream, cell_count
+    if sparse is not None:
+        size += 4 + 4 + 4 + 4 + 8  # the layout header
     if n_cells == 0:
         return size
+    if sparse is not None and sparse.bits & LAYOUT_ALISA:
+        raise SparqError("synthetic states of an ALISA cache (its window of weights) are not written here")
+    if sparse is not None and sparse.kt:
+        size += 4 + layout.n_layer * (8 + n_cells * layout.n_embd_k_gqa * kt_elem_bytes(layout))
     size += n_cells * 12 + 8
     size += layout.n_layer * (12 + n_cells * layout.row_bytes(layout.n_embd_k_gqa))
     if layout.v_trans:
@@ -77,6 +122,11 @@ def blob_size(layout: KVLayout, n_cells: int) -> int:
     else:
         size += layout.n_layer * (12 + n_cells * layout.row_bytes(layout.n_embd_v_gqa))
     return size
+
+
+def kt_elem_bytes(layout: KVLayout) -> int:
+    """SparQ's K^T is f32 for an f32 K, else f16."""
+    return 4 if layout.cache_type == "f32" else 2
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
@@ -124,7 +174,7 @@ class _Writer:
 
 
 def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None, v_std=None,
-                    seq_id: int = 0, progress=None) -> np.ndarray:
+                    seq_id: int = 0, sparse: SparseLayout | None = None, progress=None) -> np.ndarray:
     """A state blob for one sequence with positions 0..n_cells-1 and random K and V rows.
 
     k_std / v_std: per-layer arrays of per-component standard deviations ((n_layer, n_embd) or
@@ -132,15 +182,20 @@ def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None
     N(0, 1) draws at a random offset (much faster than fresh draws, and the rows are as good as
     independent for attention), times the per-component std, then stored in the cache type
     (q8_0 quantized like ggml does). The same seed gives the same values for every cache type and
-    V layout. progress(n) is called with the number of rows written per chunk.
+    V layout. sparse: the layout header of the context it is for (sparse_layout() of its empty
+    state); with K^T (SparQ) the blob holds K^T as the cache would (the K rows as stored, dequantized,
+    transposed). progress(n) is called with the number of rows written per chunk.
     """
     if n_cells < 0:
         raise SparqError(f"cell count must be >= 0, got {n_cells}")
     L, Ek, Ev = layout.n_layer, layout.n_embd_k_gqa, layout.n_embd_v_gqa
     k_std = np.broadcast_to(np.ones(1, np.float32) if k_std is None else np.asarray(k_std, np.float32), (L, Ek))
     v_std = np.broadcast_to(np.ones(1, np.float32) if v_std is None else np.asarray(v_std, np.float32), (L, Ev))
-    w = _Writer(blob_size(layout, n_cells))
+    w = _Writer(blob_size(layout, n_cells, sparse))
     w.pack("<Ii", STATE_SEQ_MAGIC, seq_id)
+    if sparse is not None:
+        w.pack("<IIIfQ", LAYOUT_MAGIC, LAYOUT_VERSION, sparse.bits, sparse.alisa_c, sparse.basis)
+    kt = sparse is not None and sparse.kt
     w.pack("<II", 1, n_cells)
     if n_cells == 0:
         return w.buf
@@ -166,6 +221,7 @@ def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None
 
     t = GGML_TYPES[layout.cache_type]
     krow = layout.row_bytes(Ek)
+    k_rows = []  # per layer, the K rows as stored, for K^T
     for il in range(L):
         w.pack("<iQ", t, krow)
         dst = w.take(n_cells * krow).reshape(n_cells, krow)
@@ -173,6 +229,7 @@ def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None
             dst[r0:r0 + len(x)] = _encode_rows(x, layout.cache_type)
             if progress:
                 progress(len(x))
+        k_rows.append(dst)
     for il in range(L):
         if layout.v_trans:
             w.pack("<iII", t, layout.elem_bytes, Ev)
@@ -190,6 +247,19 @@ def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None
                 dst[r0:r0 + len(x)] = _encode_rows(x, layout.cache_type)
                 if progress:
                     progress(len(x))
+    if kt:
+        kt_type = np.float32 if kt_elem_bytes(layout) == 4 else np.float16
+        w.pack("<I", 1)
+        for il in range(L):
+            w.pack("<iI", GGML_TYPES["f32" if kt_type is np.float32 else "f16"], Ek)
+            dst = w.take(n_cells * Ek * kt_elem_bytes(layout)).view(kt_type).reshape(Ek, n_cells)
+            for r0 in range(0, n_cells, _CHUNK_ROWS):
+                raw = k_rows[il][r0:r0 + _CHUNK_ROWS]
+                if layout.cache_type == "q8_0":
+                    x = dequantize_q8_0(raw, Ek)
+                else:
+                    x = raw.view(np.float32 if layout.cache_type == "f32" else np.float16)
+                dst[:, r0:r0 + len(raw)] = x.T
     assert w.off == len(w.buf), (w.off, len(w.buf))
     return w.buf
 
@@ -203,6 +273,7 @@ class ParsedState:
     v_types: list
     k: list  # per layer: (cells, row_bytes) uint8
     v: list  # per layer: (cells, row_bytes) uint8, or (n_embd_v_gqa, cells) elements if v_trans
+    kt: list = None  # per layer: SparQ's K^T (n_embd_k_gqa, cells), when the state has it
 
 
 def parse_state(blob, n_embd_v_gqa: int | None = None) -> ParsedState:
@@ -228,11 +299,17 @@ def parse_state(blob, n_embd_v_gqa: int | None = None) -> ParsedState:
     if magic != STATE_SEQ_MAGIC:
         raise SparqError(f"not a sequence-state blob (magic {magic:#x})")
     (n_stream,) = unpack("<I")
+    layout_bits = 0
+    if n_stream == LAYOUT_MAGIC:
+        version, layout_bits, _c, _basis = unpack("<IIfQ")
+        if version != LAYOUT_VERSION or layout_bits & LAYOUT_ALISA:
+            raise SparqError(f"unsupported state layout (version {version}, bits {layout_bits:#x})")
+        (n_stream,) = unpack("<I")
     if n_stream != 1:
         raise SparqError(f"only one-stream states are supported, got {n_stream}")
     (n_cells,) = unpack("<I")
     if n_cells == 0:
-        return ParsedState(seq_id, np.zeros(0, np.int32), False, [], [], [], [])
+        return ParsedState(seq_id, np.zeros(0, np.int32), False, [], [], [], [], [])
     pos = np.empty(n_cells, np.int32)
     for i in range(n_cells):
         p, n_seq = unpack("<iI")
@@ -253,6 +330,15 @@ def parse_state(blob, n_embd_v_gqa: int | None = None) -> ParsedState:
             t, row = unpack("<iQ")
             v_types.append(GGML_TYPE_NAMES.get(t, t))
             vs.append(take(n_cells * row).reshape(n_cells, row))
+    kts = []
+    if layout_bits & LAYOUT_KT:
+        (has_kt,) = unpack("<I")
+        for _ in range(n_layer if has_kt else 0):
+            t, E = unpack("<iI")
+            dtype = {0: np.float32, 1: np.float16}.get(t)
+            if dtype is None:
+                raise SparqError(f"K^T of type {t} is not f32 or f16")
+            kts.append(take(n_cells * E * np.dtype(dtype).itemsize).view(dtype).reshape(E, n_cells))
     if off != len(buf):
         raise SparqError(f"state blob has {len(buf) - off} bytes after the end")
-    return ParsedState(seq_id, pos, bool(v_trans), k_types, v_types, ks, vs)
+    return ParsedState(seq_id, pos, bool(v_trans), k_types, v_types, ks, vs, kts)

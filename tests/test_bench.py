@@ -15,7 +15,7 @@ from sparq_cpp import Dense, Llama, SparQ, SparqError  # noqa: E402
 from sparq_cpp.bench import e2e, e2e_config, e2e_memory, e2e_model, e2e_report  # noqa: E402
 from sparq_cpp.bench.e2e import MODES, BenchConfig  # noqa: E402
 from sparq_cpp.bench.stateblob import (KVLayout, blob_size, dequantize_q8_0, parse_state,  # noqa: E402
-                                       quantize_q8_0, synthetic_state)
+                                       quantize_q8_0, sparse_layout, synthetic_state)
 from sparq_cpp.bench.transfer_model import shape_from_geometry, shape_from_gguf, token_bytes  # noqa: E402
 from sparq_cpp.modelfactory import resolve_geometry, write_model  # noqa: E402
 from sparq_cpp.pyext import sparse_api  # noqa: E402
@@ -92,6 +92,32 @@ def test_blob_has_llama_cpp_format(models, preset, cache_type, flash_attn):
         assert bytes(real[:n_head]) == bytes(ours[:n_head])
         set_state(llm, ours)
         assert llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(llm._ctx.ctx), 0) == 99
+        assert np.array_equal(get_state(llm), ours)
+    finally:
+        llm.close()
+
+
+@needs_sparse
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0", "f32"])
+def test_sparq_blob_has_llama_cpp_format(models, cache_type):
+    """A SparQ context's state starts with its layout header and carries K^T (K as stored, dequantized,
+    transposed): llama.cpp's blob after a prefill and ours agree, and ours loads back byte for byte."""
+    llm = open_llm(models["tiny-gqa"], SparQ(r=8, k=32, l=8), cache_type)
+    try:
+        sparse = sparse_layout(get_state(llm))  # the empty sequence's state: the header only
+        assert sparse is not None and sparse.kt and sparse.bits == 1
+        llm.eval(list(range(5, 105)))
+        real = get_state(llm)
+        lay = layout_of(llm, cache_type)
+        ours = synthetic_state(lay, 100, seed=2, sparse=sparse)
+        assert len(ours) == len(real) == blob_size(lay, 100, sparse)
+        pr, po = parse_state(real), parse_state(ours)
+        assert len(pr.kt) == len(po.kt) == lay.n_layer
+        for k_rows, kt in zip(pr.k, pr.kt):  # llama.cpp's own K^T is its K, transposed
+            k = (dequantize_q8_0(k_rows, lay.n_embd_k_gqa) if cache_type == "q8_0"
+                 else k_rows.view(np.float32 if cache_type == "f32" else np.float16))
+            assert np.array_equal(kt.astype(np.float32), k.astype(kt.dtype).astype(np.float32).T)
+        set_state(llm, ours)
         assert np.array_equal(get_state(llm), ours)
     finally:
         llm.close()
