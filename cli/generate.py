@@ -157,7 +157,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
         ctx_size = min(4096, check_gguf(path).n_ctx_train or 4096)
     llm, summary = open_model(path, attention=attention, n_ctx=ctx_size, n_threads=threads, seed=seed,
                               cache_type_k=type_k, cache_type_v=type_v,
-                              flash_attn={"on": True, "off": False, "auto": None}[fa])
+                              flash_attn=fa != "off")  # llama-cpp-python takes on or off: auto is on
     has_template = "tokenizer.chat_template" in llm.metadata
     if chat and not has_template:
         raise SparqError(f"{path.name} has no chat template (tokenizer.chat_template); use --no-chat")

@@ -6,8 +6,13 @@
     llm = Llama("model.gguf", attention=ALISA(c=0.125), n_ctx=8192)
 """
 
+from typing import TYPE_CHECKING
+
 from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
+
+if TYPE_CHECKING:  # at run time Llama is made on first use (below); type checkers see its declaration
+    from sparq_cpp.llm import Llama
 
 __all__ = ["Llama", "Dense", "SparQ", "Loki", "ALISA", "SparqError"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ attention of the patch series switched on; `open_model` is the checked way the C
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from sparq_cpp.attention import ALISA, Attention, Dense, Loki, SparQ, parse_attention
 from sparq_cpp.errors import SparqError
@@ -206,6 +207,22 @@ def _llama_class():
             self.attention = attention
 
     return Llama
+
+
+if TYPE_CHECKING:  # what llama_class() makes, declared for type checkers and IDEs
+    import llama_cpp
+
+    class Llama(llama_cpp.Llama):
+        summary: GGUFSummary
+        attention: Attention
+        cache_type: str | None
+        cache_type_k: str
+        cache_type_v: str
+
+        def __init__(self, model_path: str | os.PathLike, attention: Attention | str | None = None, *,
+                     cache_type: str | None = None, **kwargs: Any) -> None: ...
+
+        def set_attention(self, attention: Attention | str) -> None: ...
 
 
 _LLAMA = None
