@@ -119,6 +119,7 @@ def test_every_position_selected_gives_dense_text(model, tmp_path):
     (["--", "-fa", "off"], "-fa after `--` would override"),
     (["--", "-np", "8"], "-np after `--` would override"),
     (["--", "--port", "9"], "--port after `--` would override"),
+    (["--", "--sparse-attn", "sparq:r=100"], "--sparse-attn after `--` would override"),
 ])
 def test_bad_settings_are_refused_before_the_server_starts(model, args, message):
     proc = run_cli("serve", "--gguf", str(model), "--print-command", *args)
