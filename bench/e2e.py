@@ -2,7 +2,7 @@
 
 For each depth S and mode, a context is filled with S positions, then single-token decodes are
 timed as generation runs them: the first step after the fill (after a state load it pays SparQ's cache
-upkeep), `warmup` steps, then `repeats` steady steps, each at the next position (S, S+1, ...: the
+upkeep: the V sums; a SparQ state carries K^T, as a state saved by a SparQ context does), `warmup` steps, then `repeats` steady steps, each at the next position (S, S+1, ...: the
 depth grows by at most a few dozen tokens, under 1% at 4k). Then, reported apart, `repeats` steps
 each right after removing the last token (`llama_memory_seq_rm(mem, 0, pos, -1)`, outside the
 timing), as speculative decoding, prompt reuse and regenerate do. A step is `llama_decode` +
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from sparq_cpp.bench import machine
-from sparq_cpp.bench.stateblob import KVLayout, synthetic_state
+from sparq_cpp.bench.stateblob import KVLayout, sparse_layout, synthetic_state
 from sparq_cpp.bench.transfer_model import ModelShape, token_bytes
 from sparq_cpp.errors import SparqError
 from sparq_cpp.outfile import atomic_write
@@ -75,6 +75,8 @@ class _Context:
             self.mem = self.lc.llama_get_memory(self.ctx)
             self.layout = KVLayout(shape.n_layer, shape.n_embd_kv, shape.n_embd_kv, mode.cache_type,
                                    not mode.flash_attn)
+            # the header a state of this context starts with (SparQ: its blobs carry K^T, as saved states do)
+            self.sparse = sparse_layout(self._seq_state())
             self.attention = self._attention_in_effect()
             want = {"sparq": 1, "loki": 2}.get(mode.kind, 0)
             if not mode.dense and self.attention.get("mode") != want:
@@ -86,12 +88,17 @@ class _Context:
             self.llm.close()
             raise
 
+    def _seq_state(self) -> bytes:
+        n = self.lc.llama_state_seq_get_size(self.ctx, 0)
+        buf = (ctypes.c_uint8 * n)()
+        return bytes(buf[:self.lc.llama_state_seq_get_data(self.ctx, buf, n, 0)])
+
     def _attention_in_effect(self) -> dict:
         from sparq_cpp.pyext import sparse_api
 
         if not sparse_api.available():
             return {"mode": 0, "api": "stock build"}
-        return sparse_api.get_params(self.ctx).as_dict()
+        return sparse_api.as_dict(sparse_api.get_params(self.ctx))
 
     def close(self):
         if self.batch is not None:
@@ -119,10 +126,13 @@ class _Context:
 
     def fill_synthetic(self, depth: int, k_std, v_std, seed: int, progress=None) -> float:
         t0 = time.perf_counter()
-        blob = synthetic_state(self.layout, depth, seed=seed, k_std=k_std, v_std=v_std, progress=progress)
+        blob = synthetic_state(self.layout, depth, seed=seed, k_std=k_std, v_std=v_std, sparse=self.sparse,
+                               progress=progress)
         self.clear()
+        t_load = time.perf_counter()
         n = self.lc.llama_state_seq_set_data(self.ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                              len(blob), 0)
+        self.state_load_s, self.state_bytes = time.perf_counter() - t_load, len(blob)
         size = len(blob)
         del blob
         if n != size:
@@ -215,9 +225,10 @@ def pool_rounds(results: list, repeats: int) -> list:
         if key not in pooled:
             pooled[key] = {**{k: v for k, v in r.items() if k != "round"}, "samples_s": [], "run_queue_wait_s": [],
                            "disturbed": [], "first_step_s": [], "warmup_s": [], "rewind_step_s": [], "fill_s": 0.0,
-                           "rounds": []}
+                           "state_load_s": [], "rounds": []}
         p = pooled[key]
-        for f in ("samples_s", "run_queue_wait_s", "disturbed", "first_step_s", "warmup_s", "rewind_step_s"):
+        for f in ("samples_s", "run_queue_wait_s", "disturbed", "first_step_s", "warmup_s", "rewind_step_s",
+                  "state_load_s"):
             p[f] = p[f] + list(r.get(f, []))  # runs written before the first step was timed have none
         p["fill_s"] += r["fill_s"]
         p["rounds"].append({k: r[k] for k in ("median_s", "q1_s", "q3_s", "n_used", "timed_with",
@@ -243,7 +254,7 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
     all steps (and the record says so).
     """
     tag = f"S={fmt_depth(depth)} {','.join(m.name for m in modes)}"
-    ctxs, fill_s, first, warm, samples = {}, {}, {}, {}, {}
+    ctxs, fill_s, first, warm, samples, load = {}, {}, {}, {}, {}, {}
     max_extra = cfg.max_extra_steps if cfg.max_extra_steps is not None else 3 * cfg.repeats
     try:
         for mode in modes:
@@ -253,6 +264,8 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
                 c = ctxs[key] = _Context(path, shape, mode, cfg, depth, [fill])
                 if fill == "synthetic":
                     fill_s[key] = c.fill_synthetic(depth, k_std, v_std, cfg.seed)
+                    # the load alone (llama_state_seq_set_data), as a user restoring a saved state pays it
+                    load[key] = {"state_load_s": [c.state_load_s], "state_bytes": c.state_bytes}
                 else:
                     fill_s[key] = c.fill_prefill(depth, cfg.seed, shape.n_vocab)
         waited = 0.0
@@ -312,7 +325,7 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
                    "run_queue_wait_s": [x[1] for x in samples[key]], "disturbed": [x[2] for x in samples[key]]}
             rec.update(_sample_stats(rec, cfg.repeats))
             out.append({**rec, "first_step_s": [first[key]], "warmup_s": warm[key], "rewind_step_s": rewind[key],
-                        "fill_s": fill_s[key], "bytes": by,
+                        "fill_s": fill_s[key], **load.get(key, {}), "bytes": by,
                         "effective_gbs": by["total"] / rec["median_s"] / 1e9,
                         "attention": ctxs[key].attention, "n_ctx": n_ctx_for(depth, step_headroom(cfg)),
                         "timed_with": [m.name for m in modes],

@@ -160,9 +160,6 @@ def validate(cfg: BenchConfig) -> BenchConfig:
         raise SparqError(f"--layers: must be >= 1, got {cfg.layers}")
     if cfg.model is not None and cfg.layers is not None:
         raise SparqError("--layers applies to the synthetic model only; not with --model")
-    if os.environ.get("LLAMA_SPARSE_ATTN"):
-        raise SparqError("LLAMA_SPARSE_ATTN is set in the environment; unset it: the bench sets the "
-                         "attention of each mode itself and the variable would change the dense baselines")
     _check_build(cfg.modes)
     if cfg.json_path is not None:
         cfg = replace(cfg, json_path=check_writable(cfg.json_path, "--json"))

@@ -51,11 +51,14 @@ def summarize(results: list, bandwidth_gbs: float) -> list:
         for m, r in here.items():
             first = r.get("first_step_s") or []
             rewind = r.get("rewind_step_s") or []
+            load = r.get("state_load_s") or []
             row = {"depth": depth, "mode": m, "fill": r["fill"], "median_s": r["median_s"],
                    "first_step_s": float(np.median(first)) if first else None,
                    "rewind_step_s": float(np.median(rewind)) if rewind else None,
                    "rewind_vs_steady": float(np.median(rewind)) / r["median_s"] if rewind else None,
                    "first_step_vs_base": None,
+                   "state_load_s": float(np.median(load)) if load else None, "state_bytes": r.get("state_bytes"),
+                   "load_and_first_vs_base": None,
                    "bytes_total": r["bytes"]["total"],
                    "bandwidth_time_s": r["bytes"]["total"] / (bandwidth_gbs * 1e9),
                    "bandwidth_fraction": r["bytes"]["total"] / r["median_s"] / (bandwidth_gbs * 1e9),
@@ -69,6 +72,11 @@ def summarize(results: list, bandwidth_gbs: float) -> list:
             base_first = here[base].get("first_step_s") if base is not None else None
             if row["first_step_s"] and base_first:
                 row["first_step_vs_base"] = row["first_step_s"] / float(np.median(base_first))
+            base_load = here[base].get("state_load_s") if base is not None else None
+            if row["first_step_s"] and load and base_first and base_load:
+                # what a restore costs before the next token: the load and the first step (SparQ's state is larger)
+                row["load_and_first_vs_base"] = ((row["state_load_s"] + row["first_step_s"])
+                                                 / (float(np.median(base_load)) + float(np.median(base_first))))
             rows.append(row)
     return rows
 
@@ -124,8 +132,13 @@ def format_table(doc: dict) -> str:
                      "own median step:")
         for s in firsts:
             vb = f"{s['first_step_vs_base']:.2f}x base" if s.get("first_step_vs_base") else "base" if s["baseline"] == s["mode"] else ""
+            ld = ""
+            if s.get("state_load_s") is not None:
+                ld = f"  state load {1e3 * s['state_load_s']:.1f} ms ({s['state_bytes'] / 2**20:.0f} MiB)"
+                if s.get("load_and_first_vs_base"):
+                    ld += f", load + first step {s['load_and_first_vs_base']:.2f}x base"
             lines.append(f"  S={fmt_depth(s['depth']):>5} {s['mode']:<11} {s['fill']:<9} {1e3 * s['first_step_s']:>8.1f} ms  "
-                         f"{vb:>10}  {s['first_step_s'] / s['median_s']:.2f}x steady")
+                         f"{vb:>10}  {s['first_step_s'] / s['median_s']:.2f}x steady{ld}")
     rewinds = [s for s in doc["summary"] if s.get("rewind_step_s")]
     if rewinds:
         lines.append("")

@@ -3,7 +3,8 @@ dense against SparQ (or Loki), and whether the draft changes the text.
 
 For each depth S and each attention setting, llama-server starts twice, with and without `--model-draft`
 (the same server build, one slot, flash attention, an f16 cache); the draft's context runs the same sparse
-setting, since LLAMA_SPARSE_ATTN applies to every context the server creates. Each server takes the same
+setting (llama-server's --sparse-attn applies to the draft model too), except Loki's: its basis is the
+target's, so a Loki server's draft attends densely. Each server takes the same
 S-token prompt (prose from the evaluation's text generator), then `--repeats` requests generate `--n-predict`
 tokens at temperature 0 from it (the prompt is reused from the cache: only the generation is timed, by the
 server's own `predicted_ms`; the reused prompt's last token is evaluated again as a decode step, so these
@@ -46,12 +47,11 @@ class _Server(ServerProcess):
                     "--parallel", 1, "--port", port, "-ctk", "f16", "-ctv", "f16"]
             if draft is not None:
                 args += ["--model-draft", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", draft_max]
+            if attention:
+                args += ["--sparse-attn", attention]
             return args
 
-        env = dict(os.environ)
-        env.pop("LLAMA_SPARSE_ATTN", None)
-        if attention:
-            env["LLAMA_SPARSE_ATTN"] = attention
+        env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_SPARSE_ATTN", "LLAMA_ARG_SPARSE_ATTN")}
         super().__init__(argv, env=env, log_dir=log_dir, timeout_s=120, request_timeout_s=1800)
 
     def post(self, path, body):
@@ -111,7 +111,7 @@ def _resolve(name: str) -> Path:
 @click.option("--draft", required=True, help="Draft GGUF with the target's vocabulary, or a known model name.")
 @click.option("--depths", default="4k,8k", show_default=True, help="Prompt lengths (k = 1024).")
 @click.option("--attention", "attentions", multiple=True, default=["sparq:r=8,k=128"], show_default=True,
-              help="LLAMA_SPARSE_ATTN value to compare with dense (repeatable).")
+              help="a --sparse-attn setting to compare with dense (repeatable).")
 @click.option("--n-predict", default=64, show_default=True, help="Tokens generated per request.")
 @click.option("--repeats", default=3, show_default=True, help="Timed requests per configuration.")
 @click.option("--draft-max", default=3, show_default=True, help="Tokens drafted per step (--spec-draft-n-max).")

@@ -15,24 +15,20 @@ from sparq_cpp.errors import SparqError
 
 
 def sparse_attn_env(attention) -> str | None:
-    """The LLAMA_SPARSE_ATTN value that switches `attention` on in a stock tool (None for dense)."""
-    from sparq_cpp.attention import ALISA, Loki, SparQ
+    """The setting that switches `attention` on in a stock tool (None for dense), with an absolute path."""
+    import dataclasses
 
-    if isinstance(attention, ALISA):
-        return f"alisa:c={attention.c!r},min_n_kv={attention.min_n_kv}"
-    if isinstance(attention, SparQ):
-        return (f"sparq:r={attention.r},k={attention.k},l={attention.local},"
-                f"mv={int(attention.mean_value)},min_n_kv={attention.min_n_kv}")
-    if isinstance(attention, Loki):
-        value = f"loki:d={attention.d},k={attention.k},l={attention.l},min_n_kv={attention.min_n_kv},variant={attention.variant}"
-        if attention.projection is not None:
-            proj = os.path.abspath(attention.projection)
-            if "," in proj or any(c.isspace() for c in proj):
-                raise SparqError(f"--loki-pca: the path {proj} holds a comma or white space, which the server's "
-                                 "setting cannot carry; move or link the file")
-            value += f",proj={proj}"
-        return value
-    return None
+    from sparq_cpp.attention import Dense, Loki, spec
+
+    if isinstance(attention, Dense):
+        return None
+    if isinstance(attention, Loki) and attention.projection is not None:
+        proj = os.path.abspath(attention.projection)
+        if "," in proj or any(c.isspace() for c in proj):
+            raise SparqError(f"--loki-pca: the path {proj} holds a comma or white space, which the server's "
+                             "setting cannot carry; move or link the file")
+        attention = dataclasses.replace(attention, projection=proj)
+    return spec(attention)
 
 
 # llama-server options that would replace what `sparq-cpp serve` checked, and its own option for each.

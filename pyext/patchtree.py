@@ -43,11 +43,16 @@ def series(patches_dir: Path = PATCHES_DIR) -> list[Path]:
     return listed
 
 
+def bindings_series(patches_dir: Path = PATCHES_DIR) -> list[Path]:
+    """The patches of llama-cpp-python's own Python files (patches/bindings), applied at the sdist's root."""
+    return series(patches_dir / "bindings") if (patches_dir / "bindings" / "series").is_file() else []
+
+
 def series_hash(patches_dir: Path = PATCHES_DIR) -> str:
-    """Hash of the series: names, order and every byte of every patch."""
+    """Hash of the series and the bindings' series: names, order and every byte of every patch."""
     h = hashlib.sha256()
-    for p in series(patches_dir):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in series(patches_dir) + bindings_series(patches_dir):
+        h.update(p.parent.name.encode() + b"/" + p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 

@@ -18,7 +18,7 @@ MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "lo
          "alisa": LLAMA_SPARSE_ATTN_ALISA}
 
 
-class llama_sparse_attn_params(ctypes.Structure):
+class _llama_sparse_attn_params(ctypes.Structure):
     _fields_ = [
         ("mode", ctypes.c_int),
         ("r", ctypes.c_int32),
@@ -33,12 +33,24 @@ class llama_sparse_attn_params(ctypes.Structure):
         ("c", ctypes.c_float),
     ]
 
-    def as_dict(self) -> dict:
-        out = {name: getattr(self, name) for name, _ in self._fields_}
-        if isinstance(out["loki_proj"], bytes):
-            out["loki_proj"] = out["loki_proj"].decode(errors="replace")
-        return out
 
+def _binding_struct():
+    """llama_cpp's own llama_sparse_attn_params (the patched bindings have it, as a field of
+    llama_context_params), so that ours can be assigned to that field; this module's copy otherwise."""
+    try:
+        from llama_cpp import llama_cpp as raw
+    except ImportError:
+        return _llama_sparse_attn_params
+    cls = getattr(raw, "llama_sparse_attn_params", None)
+    if cls is None:
+        return _llama_sparse_attn_params
+    if [f[:2] for f in cls._fields_] != [f[:2] for f in _llama_sparse_attn_params._fields_]:
+        raise SparqError("the installed llama_cpp's llama_sparse_attn_params differs from this package's; "
+                         "run `make setup` to build the matching one")
+    return cls
+
+
+llama_sparse_attn_params = _binding_struct()
 
 _INT32_FIELDS = {name for name, ctype in llama_sparse_attn_params._fields_ if ctype is ctypes.c_int32}
 
@@ -67,8 +79,11 @@ def _lib():
         lib.llama_get_sparse_attn.argtypes = [ctypes.c_void_p, ctypes.POINTER(llama_sparse_attn_params)]
         lib.llama_sparse_attn_strerror.restype = ctypes.c_char_p
         lib.llama_sparse_attn_strerror.argtypes = [ctypes.c_int32]
-        lib.llama_sparse_attn_set_next_context.restype = None
-        lib.llama_sparse_attn_set_next_context.argtypes = [ctypes.POINTER(llama_sparse_attn_params)]
+        lib.llama_sparse_attn_parse.restype = ctypes.c_int32
+        lib.llama_sparse_attn_parse.argtypes = [ctypes.c_char_p, ctypes.POINTER(llama_sparse_attn_params),
+                                                ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+        if "sparse_attn" not in dict(raw.llama_context_params._fields_):
+            raise AttributeError("llama_context_params has no sparse_attn field")
         lib.llama_sparse_attn_load_projection.restype = ctypes.c_int32
         lib.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
         lib.llama_sparse_attn_upkeep_n_cells.restype = ctypes.c_uint64
@@ -95,9 +110,24 @@ def strerror(code: int) -> str:
     return _lib().llama_sparse_attn_strerror(code).decode()
 
 
-def set_next_context(params: llama_sparse_attn_params | None) -> None:
-    """The sparse parameters (and so the cache layout) that contexts created from now on start with."""
-    _lib().llama_sparse_attn_set_next_context(ctypes.byref(params) if params is not None else None)
+def as_dict(params) -> dict:
+    out = {name: getattr(params, name) for name, _ in params._fields_}
+    if isinstance(out["loki_proj"], bytes):
+        out["loki_proj"] = out["loki_proj"].decode(errors="replace")
+    return out
+
+
+def parse(spec: str) -> llama_sparse_attn_params:
+    """llama.cpp's own reading of a setting string ("sparq:r=8,k=32", as --sparse-attn takes it); a
+    malformed one raises SparqError with its message. The result keeps its projection path alive."""
+    out = default_params()
+    proj = ctypes.create_string_buffer(4096)
+    err = ctypes.create_string_buffer(512)
+    if _lib().llama_sparse_attn_parse(spec.encode(), ctypes.byref(out), proj, len(proj), err, len(err)) != 0:
+        shown = spec if len(spec) <= 64 else spec[:61] + "..."
+        raise SparqError(f"sparse attention setting {shown!r}: {err.value.decode(errors='replace')}")
+    out._proj = proj  # out.loki_proj points into it
+    return out
 
 
 def set_params(ctx, params: llama_sparse_attn_params) -> None:
@@ -107,8 +137,8 @@ def set_params(ctx, params: llama_sparse_attn_params) -> None:
 
 
 def upkeep_n_cells(ctx) -> int:
-    """Cells whose K or V rows SparQ's cache upkeep has read since the context was created (a rebuild
-    after a state load counts every used cell, an edit the cells it touched)."""
+    """Rows of K and of V (per layer) that SparQ's cache upkeep has read since the context was created
+    (a rebuild of K^T or of the V sums counts every used cell, an edit the cells it touched)."""
     return int(_lib().llama_sparse_attn_upkeep_n_cells(ctx))
 
 

@@ -155,55 +155,41 @@ class ALISA:
 Attention = Dense | SparQ | Loki | ALISA
 
 
-# LLAMA_SPARSE_ATTN's keys per mode (README), and the settings field each one sets.
-_SPEC_KEYS = {
-    "sparq": {"r": "r", "k": "k", "l": "l", "mv": "mean_value", "min_n_kv": "min_n_kv", "prompt": "sparse_prompt"},
-    "loki": {"d": "d", "k": "k", "l": "l", "min_n_kv": "min_n_kv", "prompt": "sparse_prompt", "proj": "projection",
-             "variant": "variant"},
-    "alisa": {"c": "c", "min_n_kv": "min_n_kv"},
-    "dense": {},
-}
+def spec(attention: Attention) -> str:
+    """The setting string of `attention` as llama.cpp reads it (--sparse-attn, llama_sparse_attn_parse):
+    "dense", "sparq:r=16,k=128,...", "loki:d=32,...,proj=FILE", "alisa:c=0.125,..."."""
+    if isinstance(attention, SparQ):
+        local = "" if attention.l is None else f"l={attention.l},"  # left out: llama.cpp's default, k/4
+        return (f"sparq:r={attention.r},k={attention.k},{local}mv={int(attention.mean_value)},"
+                f"min_n_kv={attention.min_n_kv},prompt={'sparse' if attention.sparse_prompt else 'dense'}")
+    if isinstance(attention, Loki):
+        out = (f"loki:d={attention.d},k={attention.k},l={attention.l},min_n_kv={attention.min_n_kv},"
+               f"prompt={'sparse' if attention.sparse_prompt else 'dense'},variant={attention.variant}")
+        return out + (f",proj={attention.projection}" if attention.projection is not None else "")
+    if isinstance(attention, ALISA):
+        return f"alisa:c={attention.c!r},min_n_kv={attention.min_n_kv}"
+    return "dense"
 
 
-def parse_attention(spec: str) -> Attention:
-    """Settings from a string in the syntax of the LLAMA_SPARSE_ATTN environment variable: "sparq:r=8,k=32",
-    "loki:d=32,k=128,proj=model.loki.gguf", "alisa:c=0.125", "dense"; keys left out keep their defaults.
+def parse_attention(text: str) -> Attention:
+    """Settings from a string as llama.cpp reads it (the tools' --sparse-attn, LLAMA_SPARSE_ATTN):
+    "sparq:r=8,k=32", "loki:d=32,k=128,proj=model.loki.gguf", "alisa:c=0.125", "dense"; keys left out keep
+    their defaults. Parsed by llama.cpp itself (llama_sparse_attn_parse), so both read it the same way.
     Keys: sparq r, k, l, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, min_n_kv, prompt, proj,
     variant (post|pre); alisa c, min_n_kv. No spaces, each key once."""
-    if not isinstance(spec, str):
-        raise SparqError(f"attention spec must be a string, got {spec!r}")
-    mode, _, rest = spec.partition(":")
-    if mode not in _SPEC_KEYS:
-        raise SparqError(f"attention {spec!r}: the mode must be one of {', '.join(_SPEC_KEYS)} "
-                         "(e.g. 'sparq:r=8,k=32')")
-    keys, fields = _SPEC_KEYS[mode], {}
-    for item in rest.split(",") if rest else ():
-        key, eq, value = item.partition("=")
-        if key not in keys:
-            known = ", ".join(keys) or "none"
-            raise SparqError(f"attention {spec!r}: unknown key {key!r} for {mode} (keys: {known})")
-        if not eq or not value:
-            raise SparqError(f"attention {spec!r}: {key} needs a value ({key}=...)")
-        if keys[key] in fields:
-            raise SparqError(f"attention {spec!r}: {key} is given twice")
-        fields[keys[key]] = _spec_value(spec, key, value)
-    cls = {"sparq": SparQ, "loki": Loki, "alisa": ALISA, "dense": Dense}[mode]
-    return cls(**fields)
+    from sparq_cpp.pyext import sparse_api
 
-
-def _spec_value(spec: str, key: str, value: str):
-    if key in ("proj", "variant"):
-        return value
-    if key == "prompt":
-        if value not in ("dense", "sparse"):
-            raise SparqError(f"attention {spec!r}: prompt must be dense or sparse, got {value!r}")
-        return value == "sparse"
-    if key == "mv":
-        if value not in ("0", "1"):
-            raise SparqError(f"attention {spec!r}: mv must be 1 or 0, got {value!r}")
-        return value == "1"
-    try:
-        return float(value) if key == "c" else int(value)
-    except ValueError:
-        kind = "a number" if key == "c" else "an integer"
-        raise SparqError(f"attention {spec!r}: {key} must be {kind}, got {value!r}") from None
+    if not isinstance(text, str):
+        raise SparqError(f"attention spec must be a string, got {text!r}")
+    p = sparse_api.parse(text)
+    prompt = bool(p.sparse_prompt)
+    if p.mode == sparse_api.LLAMA_SPARSE_ATTN_SPARQ:
+        return SparQ(r=p.r, k=p.k, l=None if p.l < 0 else p.l, mean_value=bool(p.mean_value), min_n_kv=p.min_n_kv,
+                     sparse_prompt=prompt)
+    if p.mode == sparse_api.LLAMA_SPARSE_ATTN_LOKI:
+        proj = p.loki_proj.decode() if p.loki_proj else None
+        return Loki(d=p.d, k=p.k, l=p.l, projection=proj, variant="pre" if p.loki_pre_rope else "post",
+                    min_n_kv=p.min_n_kv, sparse_prompt=prompt)
+    if p.mode == sparse_api.LLAMA_SPARSE_ATTN_ALISA:
+        return ALISA(c=float(f"{p.c:.7g}"), min_n_kv=p.min_n_kv)  # c as written, not its float32 neighbour
+    return Dense()

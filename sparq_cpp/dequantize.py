@@ -78,7 +78,7 @@ def _metadata(reader, src: Path) -> list:
 
 def _check_resources(reader, out: Path) -> None:
     """The writer holds every f32 tensor until it writes the file: memory and disk for all of them."""
-    from sparq_cpp.bench.machine import mem_available
+    from sparq_cpp.system import mem_available
 
     nbytes = sum(int(np.prod(t.shape, dtype=np.int64)) * 4 for t in reader.tensors)
     avail = mem_available()  # 0: unknown

@@ -4,6 +4,7 @@ from __future__ import annotations
 import mmap
 import struct
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,10 +325,33 @@ def check_gguf(path, archs=None) -> GGUFSummary:
         sparse_refusal=refusal,
     )
     _check_geometry(summary, heads=not lenient)
+    _check_values(reader, arch, path)
     window = _swa_layers(reader, arch, path)  # after the check: one flag per layer
     if window:
         summary = dataclasses.replace(summary, n_swa=int(num("attention.sliding_window", 0)), swa_layers=window)
     return summary
+
+
+def _check_values(reader: _Header, arch: str, path: Path) -> None:
+    """Metadata ggml would assert on later (llama.cpp's loader refuses these too, by name): norm epsilons
+    (ggml_norm, ggml_rms_norm: a number >= 0), expert counts that do not fit, an odd rope dimension count."""
+    key = f"{path}: {arch}."
+    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
+        v = reader.get(f"{arch}.{name}")
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise SparqError(f"{key}{name} must be a finite number >= 0, got {str(v)[:60]}")
+    n_expert, n_used = reader.get(f"{arch}.expert_count", 0), reader.get(f"{arch}.expert_used_count", 0)
+    if isinstance(n_expert, int) and isinstance(n_used, int) and not isinstance(n_expert, bool):
+        if n_expert > 0 and not 1 <= n_used <= n_expert:
+            raise SparqError(f"{key}expert_used_count must be in 1..expert_count ({n_expert}), got {n_used}")
+        if n_expert == 0 and n_used:
+            raise SparqError(f"{key}expert_used_count = {n_used} without expert_count")
+    for name in ("rope.dimension_count", "rope.dimension_count_swa"):
+        v = reader.get(f"{arch}.{name}")
+        if isinstance(v, int) and not isinstance(v, bool) and v % 2:
+            raise SparqError(f"{key}{name} must be even (RoPE turns pairs of components), got {v}")
 
 
 def _check_geometry(s: GGUFSummary, heads: bool = True) -> None:

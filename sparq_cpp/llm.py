@@ -98,6 +98,26 @@ def check_alisa(model_path) -> None:
                          "weights follows one full-attention cache); use SparQ or Loki")
 
 
+def alisa_window_bytes(n_layer: int, n_ctx: int, c: float) -> int:
+    """The bytes of ALISA's window of past weights, as llama.cpp allocates it per layer: f32 rows over the
+    cache's cells for the steps of the longest window plus two, a row of zeros, and the running sums."""
+    n_ring = min(max(1, int((n_ctx + 1) * c / 2)), n_ctx) + 2
+    return n_layer * n_ctx * (n_ring + 2) * 4
+
+
+def check_alisa_memory(summary, n_ctx: int, c: float) -> None:
+    """ALISA's window grows with the square of the context: refused with the number when it cannot fit
+    in the memory free now, before llama.cpp allocates it (beyond RAM a process is killed without a word)."""
+    from sparq_cpp.system import mem_available
+
+    need = alisa_window_bytes(summary.n_layer, n_ctx, c)
+    avail = mem_available()
+    if avail and need > avail:
+        raise SparqError(f"ALISA at c = {c:g} and a context of {n_ctx} tokens keeps {need / 2**30:.1f} GiB of past "
+                         f"weights ({summary.n_layer} layers x {n_ctx}^2 x c/2 floats), more than the "
+                         f"{avail / 2**30:.1f} GiB free; use a smaller context (-c) or c")
+
+
 def _cache_type_name(value, what: str) -> str:
     """A KV cache type given by name ("q8_0") or as llama-cpp-python's ggml type number (8)."""
     if isinstance(value, str) and value in CACHE_TYPES:
@@ -139,8 +159,6 @@ def _llama_class():
 
         def __init__(self, model_path: str | os.PathLike, attention: Attention | str | None = None, *,
                      cache_type: str | None = None, **kwargs) -> None:
-            from sparq_cpp.pyext import sparse_api
-
             attention = parse_attention(attention) if isinstance(attention, str) else attention or Dense()
             if not isinstance(attention, (Dense, SparQ, Loki, ALISA)):
                 raise SparqError(f"attention must be Dense(), SparQ(...), Loki(...), ALISA(...) or a string such as "
@@ -157,19 +175,19 @@ def _llama_class():
                 check_loki_projection(attention, model_path)
             if isinstance(attention, ALISA):
                 check_alisa(model_path)
+                n_ctx = kwargs.get("n_ctx", 512) or summary.n_ctx_train
+                check_alisa_memory(summary, -(-n_ctx // 256) * 256, attention.c)  # llama.cpp pads to 256 cells
             if sparse:
                 if kwargs.get("flash_attn") is False:
                     raise SparqError(f"{attention.name} needs flash attention (V stored row-major); "
                                      "do not pass flash_attn=False")
                 kwargs["flash_attn"] = True
-                sparse_api.set_next_context(_c_params(attention, creation=True))
+                # the mode the context is created for, in llama_context_params (patches/bindings)
+                kwargs["sparse_attn"] = _c_params(attention, creation=True)
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except (ValueError, RuntimeError) as e:
                 raise SparqError(f"llama.cpp could not load {model_path} with {attention.name} attention: {e}") from None
-            finally:
-                if sparse:
-                    sparse_api.set_next_context(None)
             self.summary: GGUFSummary = summary
             self.cache_type_k, self.cache_type_v = type_k, type_v
             self.cache_type: str | None = type_k if type_k == type_v else None  # None: K and V differ

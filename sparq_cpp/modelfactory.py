@@ -418,7 +418,7 @@ def write_footprint(g: ModelGeometry, wtype: str) -> dict:
 def check_resources(g: ModelGeometry, wtype: str, path: Path) -> None:
     """Refuse up front a model this machine cannot write: more memory than is available now, or a
     bigger file than the disk has room for (else a MemoryError, or a full disk, halfway through)."""
-    from sparq_cpp.bench.machine import mem_available
+    from sparq_cpp.system import mem_available
 
     need = write_footprint(g, wtype)
     name, nbytes = need["largest"]

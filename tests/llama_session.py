@@ -52,14 +52,11 @@ class Session:
         cp.type_k = cp.type_v = CACHE_TYPES[cache_type]
         cp.flash_attn_type = FLASH_ATTN_ENABLED
         cp.n_threads = cp.n_threads_batch = n_threads
-        sparse = not isinstance(attention, Dense)
-        if sparse:
-            sparse_api.set_next_context(_c_params(attention, creation=True))
-        try:
-            self.ctx = C.llama_init_from_model(self.model, cp)
-        finally:
-            if sparse:
-                sparse_api.set_next_context(None)
+        if isinstance(attention, sparse_api.llama_sparse_attn_params):  # as llama.cpp parsed it
+            cp.sparse_attn = attention
+        elif not isinstance(attention, Dense):
+            cp.sparse_attn = _c_params(attention, creation=True)
+        self.ctx = C.llama_init_from_model(self.model, cp)
         assert self.ctx, "could not create the context"
         self.mem = C.llama_get_memory(self.ctx)
         self.n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self.model))

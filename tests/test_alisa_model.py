@@ -184,12 +184,19 @@ def test_bad_settings_are_refused_by_name(models):
     ("alisa:k=16", "key 'k' is not for alisa"),
     ("sparq:c=0.1", "key 'c' is for alisa, not sparq"),
 ])
-def test_environment_setting_errors(models, monkeypatch, value, message):
+def test_setting_errors(models, value, message):
+    """Refused by llama.cpp's parser (behind --sparse-attn) or, for a value it reads, at context creation."""
     from llama_session import Session, captured_log
 
-    monkeypatch.setenv("LLAMA_SPARSE_ATTN", value)
+    from sparq_cpp.pyext import sparse_api
+
+    try:
+        params = sparse_api.parse(value)
+    except SparqError as e:
+        assert message in str(e)
+        return
     with captured_log() as log, pytest.raises(AssertionError, match="could not create the context"):
-        Session(models["tiny"], Dense())
+        Session(models["tiny"], params)
     assert any(message in line for line in log), "".join(log[-10:])
 
 

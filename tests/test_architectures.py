@@ -420,11 +420,8 @@ class OpCapture:
         cp.type_k = cp.type_v = 0
         cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cp.cb_eval, cp.cb_eval_user_data = self._cb, None
-        sparse_api.set_next_context(_c_params(attention, creation=True))
-        try:
-            self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
-        finally:
-            sparse_api.set_next_context(None)
+        cp.sparse_attn = _c_params(attention, creation=True)
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         assert self.ctx
 
     def _eval(self, t, ask, _):

@@ -170,11 +170,10 @@ def test_dequantize_refuses_an_unsupported_model_before_writing(tiny, tmp_path):
 
 
 def test_dequantize_checks_memory_and_disk_first(tiny, tmp_path, monkeypatch):
-    from sparq_cpp import outfile
-    from sparq_cpp.bench import machine
+    from sparq_cpp import outfile, system
     from sparq_cpp.dequantize import dequantize_gguf
 
-    monkeypatch.setattr(machine, "mem_available", lambda: 1 << 20)
+    monkeypatch.setattr(system, "mem_available", lambda: 1 << 20)
     with pytest.raises(SparqError, match=r"the f32 copy is about .* MiB, built in memory; 1\.0 MiB is available"):
         dequantize_gguf(tiny, tmp_path / "copy.gguf")
     monkeypatch.undo()
@@ -208,10 +207,10 @@ def test_make_model_larger_than_memory_is_refused_up_front(tmp_path):
 
 
 def test_write_model_compares_with_the_memory_available(tmp_path, monkeypatch):
-    from sparq_cpp.bench import machine
+    from sparq_cpp import system
     from sparq_cpp.modelfactory import write_model
 
-    monkeypatch.setattr(machine, "mem_available", lambda: 1 << 20)
+    monkeypatch.setattr(system, "mem_available", lambda: 1 << 20)
     with pytest.raises(SparqError, match=r"needs about .* MiB of memory .* token_embd.weight.* 1\.0 MiB is available"):
         write_model(tmp_path / "m.gguf", "tiny")
     assert list(tmp_path.iterdir()) == []

@@ -181,12 +181,8 @@ def test_c_api_refuses_a_foreign_projection(models):
     p = sparse_api.default_params()
     p.mode = sparse_api.LLAMA_SPARSE_ATTN_LOKI
     p.loki_proj = str(gqa_proj).encode()
-    sparse_api.set_next_context(p)
-    try:
-        with pytest.raises(ValueError):
-            llama_cpp.Llama(str(path), n_ctx=64, flash_attn=True, verbose=False)
-    finally:
-        sparse_api.set_next_context(None)
+    with pytest.raises(ValueError):
+        llama_cpp.Llama(str(path), n_ctx=64, flash_attn=True, verbose=False, sparse_attn=p)
 
 
 def test_stock_tool_runs_loki_from_env(models):

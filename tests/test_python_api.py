@@ -1,7 +1,8 @@
 """The Python API as a llama-cpp-python user meets it: type_k/type_v honoured or refused with the reason,
-SparqError caught as ValueError, `attention=` as a string in LLAMA_SPARSE_ATTN's syntax, typing marker."""
+SparqError caught as ValueError, `attention=` as a string as llama.cpp's --sparse-attn reads it, typing marker."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,24 +22,36 @@ from sparq_cpp.attention import parse_attention
     ("alisa:c=0.25", ALISA(c=0.25)),
 ])
 def test_attention_spec_strings(spec, want):
+    pytest.importorskip("llama_cpp")
     assert parse_attention(spec) == want
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("sparse", "the mode must be one of"),
-    ("sparq:r=8,d=4", "unknown key 'd' for sparq"),
-    ("sparq:r=8,r=9", "r is given twice"),
-    ("sparq:r=", "r needs a value"),
-    ("sparq:r=eight", "r must be an integer"),
-    ("sparq:mv=yes", "mv must be 1 or 0"),
-    ("loki:prompt=all", "prompt must be dense or sparse"),
-    ("alisa:c=0", "c must be a finite number > 0"),
-    ("alisa:k=4", "unknown key 'k' for alisa"),
-    ("dense:k=4", "unknown key 'k' for dense"),
+    ("sparse", "unknown mode 'sparse' (expected 'sparq', 'loki', 'alisa' or 'dense')"),
+    ("sparq:r=8,d=4", "key 'd' is for loki, not sparq"),
+    ("sparq:r=8,r=9", "key 'r' given more than once"),
+    ("sparq:r=", "invalid value '' for key 'r' (expected an integer)"),
+    ("sparq:r=eight", "invalid value 'eight' for key 'r' (expected an integer)"),
+    ("sparq:mv=yes", "invalid value 'yes' for key 'mv' (expected 0 or 1)"),
+    ("loki:prompt=all", "invalid value 'all' for key 'prompt' (expected 'dense' or 'sparse')"),
+    ("alisa:c=0", "c must be"),
+    ("alisa:k=4", "key 'k' is not for alisa (expected c or min_n_kv)"),
+    ("dense:k=4", "mode 'dense' takes no parameters"),
 ])
 def test_bad_attention_specs_are_refused(spec, message):
-    with pytest.raises(SparqError, match=message.replace("(", r"\(")):
+    """llama.cpp's own parser (llama_sparse_attn_parse) reads the string, as the tools' --sparse-attn does."""
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(SparqError, match=re.escape(message)):
         parse_attention(spec)
+
+
+@pytest.mark.parametrize("attention", [Dense(), SparQ(r=8, k=32), SparQ(l=0, mean_value=False, sparse_prompt=True),
+                                       Loki(d=16, k=64, projection="m.loki.gguf", variant="pre"), ALISA(c=0.2)])
+def test_each_mode_renders_the_string_llama_cpp_reads_back(attention):
+    from sparq_cpp.attention import spec
+
+    pytest.importorskip("llama_cpp")
+    assert parse_attention(spec(attention)) == attention
 
 
 def test_sparq_error_is_a_value_error():

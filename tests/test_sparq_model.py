@@ -147,14 +147,10 @@ def test_c_api_return_codes(models):
     # a cache type without a kernel is refused when the context is created
     p = sparse_api.default_params()
     p.mode = sparse_api.LLAMA_SPARSE_ATTN_SPARQ
-    sparse_api.set_next_context(p)
-    try:
-        with pytest.raises(ValueError):
-            llama_cpp.Llama(str(path), n_ctx=128, flash_attn=True, type_k=2, type_v=2, verbose=False)
-        with pytest.raises(ValueError):  # and so is SparQ without flash attention
-            llama_cpp.Llama(str(path), n_ctx=128, flash_attn=False, verbose=False)
-    finally:
-        sparse_api.set_next_context(None)
+    with pytest.raises(ValueError):
+        llama_cpp.Llama(str(path), n_ctx=128, flash_attn=True, type_k=2, type_v=2, verbose=False, sparse_attn=p)
+    with pytest.raises(ValueError):  # and so is SparQ without flash attention
+        llama_cpp.Llama(str(path), n_ctx=128, flash_attn=False, verbose=False, sparse_attn=p)
 
 
 def test_stock_tool_runs_sparq_from_env(models, tmp_path):
@@ -175,6 +171,20 @@ def test_stock_tool_runs_sparq_from_env(models, tmp_path):
     assert "sparse_attn           = sparq (r = 16, k = 32, l = 8" in proc.stderr
     assert_refused([exe, "-m", models["tiny"], "-p", "x", "-n", "2", "-fa", "on", "-no-cnv"],
                    dict(env, LLAMA_SPARSE_ATTN="sparq:k=x"), "invalid value 'x' for key 'k'")
+    # the flag and its LLAMA_ARG_ variable, as for every setting of the stock tools; the flag wins
+    base = {k: v for k, v in os.environ.items() if k not in ("LLAMA_SPARSE_ATTN", "LLAMA_ARG_SPARSE_ATTN")}
+    for extra, env2, want in [(["--sparse-attn", "sparq:r=8,k=16"], base, "sparq (r = 8, k = 16, l = -1"),
+                              ([], dict(base, LLAMA_ARG_SPARSE_ATTN="sparq:r=4,k=8"), "sparq (r = 4, k = 8, l = -1"),
+                              (["--sparse-attn", "sparq:r=8,k=16"], dict(base, LLAMA_SPARSE_ATTN="sparq:r=4,k=8"),
+                               "sparq (r = 8, k = 16, l = -1")]:
+        proc = subprocess.run([str(exe), "-m", str(models["tiny"]), "-p", "hello world", "-n", "4", "-fa", "on",
+                               "-no-cnv", "-c", "256", "-t", "1", "--temp", "0", "-v", *extra],
+                              capture_output=True, text=True, errors="replace", env=env2, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"sparse_attn           = {want}" in proc.stderr, (extra, proc.stderr[-3000:])
+    assert_refused([exe, "-m", models["tiny"], "-p", "x", "-n", "2", "-fa", "on", "-no-cnv", "--sparse-attn", "sparq:k=x"],
+                   base, "invalid value 'x' for key 'k'")
 
 
 def test_stock_tool_runs_sparq_on_a_sliding_window_model(tmp_path):

@@ -1,9 +1,10 @@
 """The patched llama.cpp itself neither crashes nor aborts on what a user or a damaged file can feed it:
 attention scores that are not finite, a k beyond any cache, a Loki projection holding NaN or inf,
-malformed LLAMA_SPARSE_ATTN settings, a context shift of a quantized cache. (Python's own checks are
+malformed sparse attention settings, a context shift of a quantized cache. (Python's own checks are
 in test_hardening.py; these go around them, as the stock tools and the C API do.)"""
 from __future__ import annotations
 
+import re
 import subprocess
 
 import gguf
@@ -71,13 +72,21 @@ def test_a_k_beyond_any_cache_selects_every_position():
     ("sparq:r=" + "9" * 120_000, "(120000 characters)"),
     ("loki:d=x", "expected an integer"),
 ])
-def test_malformed_environment_settings_are_refused_in_one_short_line(model, monkeypatch, value, message):
-    monkeypatch.setenv("LLAMA_SPARSE_ATTN", value)
-    with captured_log() as log, pytest.raises(AssertionError, match="could not create the context"):
-        Session(model, Dense())
-    errors = [line for line in log if "LLAMA_SPARSE_ATTN" in line]
-    assert errors and message in errors[0], "".join(log[-10:])
-    assert len(errors[0]) < 400
+def test_malformed_settings_are_refused_in_one_short_line(value, message):
+    """llama.cpp's parser (llama_sparse_attn_parse, behind --sparse-attn) names what is wrong, briefly."""
+    with pytest.raises(SparqError, match=re.escape(message)) as e:
+        sparse_api.parse(value)
+    assert len(str(e.value)) < 400
+
+
+def test_libllama_reads_no_environment(model, monkeypatch):
+    """The setting reaches libllama in llama_context_params only: the variable is the tools' (common/arg.cpp)."""
+    monkeypatch.setenv("LLAMA_SPARSE_ATTN", "sparq:r=8,k=32")
+    with Session(model, Dense()) as s:
+        assert sparse_api.get_params(s.ctx).mode == sparse_api.LLAMA_SPARSE_ATTN_DENSE
+    with Session(model, sparse_api.parse("sparq:r=4,k=16")) as s:
+        p = sparse_api.get_params(s.ctx)
+        assert (p.mode, p.r, p.k) == (sparse_api.LLAMA_SPARSE_ATTN_SPARQ, 4, 16)
 
 
 def _projection_with(model, tmp_path, value):
