@@ -30,7 +30,7 @@ test: setup
 test-slow: setup
 	@$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-# Developers: an editable patched tree, and patches/ regenerated from its commits.
+# Developers: an editable patched tree, and patches/ and engine/ regenerated from its commits.
 tree: $(VENV)/.deps
 	$(PY) -m sparq_cpp.pyext.patchtree init $(TREE)
 

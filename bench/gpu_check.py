@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-from sparq_cpp.pyext.patchtree import apply_series, series, series_hash
+from sparq_cpp.pyext.patchtree import patch_tree, series, series_hash
 from sparq_cpp.pyext.upstream import REPO_ROOT, fetch_sdist, unpack_sdist
 
 DEFAULT_OUT = REPO_ROOT / ".sparq-build" / "gpu-check"
@@ -167,7 +167,7 @@ def main(tree: Path | None, out: Path):
         if tree is None:
             top = unpack_sdist(fetch_sdist(log=lambda *_: None), Path(tmp) / "sdist")
             tree = top / "vendor" / "llama.cpp"
-            apply_series(tree, series())
+            patch_tree(tree)
         make_bundle(tree, out)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     click.echo(f"{out}: {size/2**20:.1f} MiB; on the GPU machine: {out.name}/run.sh build && {out.name}/run.sh test && {out.name}/run.sh bench")

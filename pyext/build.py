@@ -27,7 +27,7 @@ import click
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import cuda as pcuda
-from sparq_cpp.pyext.patchtree import apply_series, bindings_series, series, series_hash
+from sparq_cpp.pyext.patchtree import apply_series, bindings_series, patch_tree, series, series_hash
 from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, cache_root, fetch_sdist, unpack_sdist
 
 BUILDER_VERSION = 1
@@ -169,7 +169,7 @@ def _build_now(opts: BuildOptions, pin: Pin, patches: list[Path], key: str, root
     t0 = time.time()
     log(f"building patched llama.cpp (key {key}, {len(patches)} patches); log: {root / 'build.log'}")
     src = unpack_sdist(fetch_sdist(pin, log=log), root / "src")
-    apply_series(src / "vendor" / "llama.cpp", patches)
+    patch_tree(src / "vendor" / "llama.cpp")
     apply_series(src, bindings_series())
 
     env = dict(os.environ)

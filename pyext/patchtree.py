@@ -1,11 +1,15 @@
-"""The patch series and the developers' patched tree.
+"""The engine's sources, the patch series and the developers' patched tree.
 
-`patches/series` lists the patch files (made by `git format-patch`) in order. They apply to
-`vendor/llama.cpp` of the pinned sdist. Developers never edit the .patch files:
+The files the engine adds to llama.cpp (kernels, the sparse attention code of libllama) live in
+`engine/` at their paths in the llama.cpp tree; `engine/FILES` names the patch that introduces each.
+`patches/series` lists the patch files (made by `git format-patch`) in order: edits of upstream files
+only. A patched llama.cpp is `vendor/llama.cpp` of the pinned sdist with engine/ copied in and the
+series applied (`patch_tree`). Developers never edit the .patch files:
 
     python -m sparq_cpp.pyext.patchtree init  [DIR]   # git tree: upstream commit + one commit per patch
     ... edit, build, `git commit` (one concern per commit) in DIR ...
-    python -m sparq_cpp.pyext.patchtree export [DIR]  # rewrite patches/ from DIR's commits
+    python -m sparq_cpp.pyext.patchtree export [DIR]  # rewrite patches/ and engine/ from DIR's commits
+    python -m sparq_cpp.pyext.patchtree export-upstream OUT [DIR]  # the whole series, new files included
 """
 from __future__ import annotations
 
@@ -21,9 +25,14 @@ import click
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext.upstream import PATCHES_DIR, REPO_ROOT, fetch_sdist, unpack_sdist
 
+ENGINE_DIR = REPO_ROOT / "engine"
 DEFAULT_TREE = REPO_ROOT / ".sparq-build" / "tree"
 UPSTREAM_TAG = "upstream"
 _GIT_ID = ["-c", "user.name=sparq-cpp", "-c", "user.email=sparq-cpp@users.noreply.github.com"]
+_FILES_HEADER = (
+    "# The files the patch series adds to llama.cpp, at their paths in its tree, and the patch (subject) that\n"
+    "# introduces each. Written by `python -m sparq_cpp.pyext.patchtree export`; edit the files, not this list.\n"
+)
 _SERIES_HEADER = (
     "# Patches against vendor/llama.cpp of the pinned sdist, applied in this order (git format-patch files).\n"
     "# Regenerate with `python -m sparq_cpp.pyext.patchtree export`; never edit the .patch files by hand.\n"
@@ -48,12 +57,49 @@ def bindings_series(patches_dir: Path = PATCHES_DIR) -> list[Path]:
     return series(patches_dir / "bindings") if (patches_dir / "bindings" / "series").is_file() else []
 
 
-def series_hash(patches_dir: Path = PATCHES_DIR) -> str:
-    """Hash of the series and the bindings' series: names, order and every byte of every patch."""
+def engine_files(engine_dir: Path = ENGINE_DIR) -> dict[str, str]:
+    """engine/FILES: each file the series adds (its path in the llama.cpp tree) -> the subject of the patch
+    that introduces it. A listed file that is missing is an error."""
+    out = {}
+    manifest = engine_dir / "FILES"
+    if not manifest.is_file():
+        return out
+    for line in manifest.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        path, sep, subject = line.partition("\t")
+        if not sep or not subject.strip():
+            raise SparqError(f"engine/FILES: expected 'PATH<TAB>patch subject', got {line!r}")
+        if not (engine_dir / path).is_file():
+            raise SparqError(f"engine/FILES lists {path}, which does not exist in {engine_dir}")
+        out[path] = subject.strip()
+    return out
+
+
+def series_hash(patches_dir: Path = PATCHES_DIR, engine_dir: Path = ENGINE_DIR) -> str:
+    """Hash of the series, the bindings' series and the engine's files: names, order and every byte."""
     h = hashlib.sha256()
     for p in series(patches_dir) + bindings_series(patches_dir):
         h.update(p.parent.name.encode() + b"/" + p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for path in sorted(engine_files(engine_dir)):
+        h.update(b"engine/" + path.encode() + b"\0" + (engine_dir / path).read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def copy_engine(llama_dir: Path, engine_dir: Path = ENGINE_DIR, paths=None) -> None:
+    """Copy the engine's files (or those of `paths`) into a llama.cpp tree, at their paths."""
+    for path in engine_files(engine_dir) if paths is None else paths:
+        dst = Path(llama_dir) / path
+        if dst.exists():
+            raise SparqError(f"{dst} exists in the upstream tree: the engine's files must be new files")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(engine_dir / path, dst)
+
+
+def patch_tree(llama_dir: Path, patches_dir: Path = PATCHES_DIR, engine_dir: Path = ENGINE_DIR) -> None:
+    """A plain llama.cpp tree patched: the engine's files copied in, then the series applied."""
+    copy_engine(llama_dir, engine_dir)
+    apply_series(llama_dir, series(patches_dir))
 
 
 def _git(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProcess:
@@ -76,7 +122,8 @@ def apply_series(llama_dir: Path, patches: list[Path]) -> None:
         subprocess.run(["git", "apply", "-p1", str(p)], cwd=llama_dir, check=True, env=env)
 
 
-def init_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=print) -> Path:
+def init_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=print,
+              engine_dir: Path = ENGINE_DIR) -> Path:
     """A git repo of the pinned llama.cpp: one upstream commit (tagged), then one commit per patch."""
     if tree.exists():
         raise SparqError(f"{tree} exists already; remove it first (its commits are not in patches/ until exported)")
@@ -88,36 +135,85 @@ def init_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=pr
     _git(["add", "-A", "-f"], tree)
     _git(["commit", "-q", "-m", "upstream: llama.cpp vendored in the pinned llama-cpp-python sdist"], tree)
     _git(["tag", UPSTREAM_TAG], tree)
+    files = engine_files(engine_dir)
     for p in series(patches_dir):
         proc = _git(["am", "-q", "--committer-date-is-author-date", str(p)], tree, check=False)
         if proc.returncode != 0:
             _git(["am", "--abort"], tree, check=False)
             raise SparqError(f"patch {p.name} does not apply in {tree}: {proc.stderr.strip()[:300]}")
-    log(f"patched tree ready: {tree} ({len(series(patches_dir))} patches on tag '{UPSTREAM_TAG}')")
+        # the engine's files come in with the patch that introduces them, as they are now
+        subject = _git(["log", "-1", "--format=%s"], tree).stdout.strip()
+        new = [path for path, s in files.items() if s == subject]
+        if new:
+            copy_engine(tree, engine_dir, new)
+            _git(["add", "-f", *new], tree)
+            _git(["commit", "-q", "--amend", "--no-edit", "--allow-empty"], tree)
+    missing = set(files.values()) - set(_git(["log", "--format=%s", f"{UPSTREAM_TAG}..HEAD"], tree).stdout.splitlines())
+    if missing:
+        raise SparqError(f"engine/FILES names patches the series does not have: {', '.join(sorted(missing))}")
+    log(f"patched tree ready: {tree} ({len(series(patches_dir))} patches on tag '{UPSTREAM_TAG}', "
+        f"{len(files)} engine files)")
     return tree
 
 
-def export_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=print) -> list[Path]:
-    """Rewrite patches/*.patch and patches/series from the tree's commits after the upstream tag."""
+def _new_files(tree: Path) -> dict[str, str]:
+    """The files the tree's commits add to upstream -> the subject of the commit that adds each."""
+    out = {}
+    log = _git(["log", "--reverse", "--diff-filter=A", "--name-only", "--format=%x00%s", f"{UPSTREAM_TAG}..HEAD"], tree).stdout
+    for chunk in log.split("\0")[1:]:
+        lines = [ln for ln in chunk.splitlines() if ln.strip()]
+        for path in lines[1:]:
+            out.setdefault(path, lines[0])
+    # a file added, then deleted again is not new
+    return {p: s for p, s in out.items() if (tree / p).is_file()}
+
+
+def export_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=print,
+                engine_dir: Path = ENGINE_DIR) -> list[Path]:
+    """Rewrite patches/*.patch and patches/series from the tree's commits after the upstream tag (edits of
+    upstream files only), and engine/ with the files they add (as they are at HEAD) and engine/FILES."""
     if not (tree / ".git").exists():
         raise SparqError(f"{tree} is not a patched tree (make one with `init`)")
     if _git(["status", "--porcelain", "--untracked-files=no"], tree).stdout.strip():
         raise SparqError(f"{tree} has uncommitted changes; commit them (one concern per commit) first")
+    new = _new_files(tree)
+    exclude = [f":(exclude){p}" for p in sorted(new)]
     with tempfile.TemporaryDirectory() as tmp:
         # --zero-commit and --full-index keep the files stable across re-exports of the same commits.
         _git(["format-patch", "-q", "--zero-commit", "--full-index", "--no-signature",
-              "-o", tmp, f"{UPSTREAM_TAG}..HEAD"], tree)
-        new = sorted(Path(tmp).glob("*.patch"))
+              "-o", tmp, f"{UPSTREAM_TAG}..HEAD", "--", ".", *exclude], tree)
+        made = sorted(Path(tmp).glob("*.patch"))
         for old in patches_dir.glob("*.patch"):
             old.unlink()
-        for p in new:
+        for p in made:
             shutil.copyfile(p, patches_dir / p.name)
-    names = [p.name for p in new]
+    names = [p.name for p in made]
     tmp_series = patches_dir / "series.tmp"
     tmp_series.write_text(_SERIES_HEADER + "".join(n + "\n" for n in names))
     os.replace(tmp_series, patches_dir / "series")
-    log(f"exported {len(names)} patches to {patches_dir}")
+    # engine/: the new files as they are at HEAD, nothing else
+    for path in engine_files(engine_dir) if (engine_dir / "FILES").is_file() else {}:
+        if path not in new:
+            (engine_dir / path).unlink()
+    for path in sorted(new):
+        dst = engine_dir / path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tree / path, dst)
+    (engine_dir / "FILES").write_text(_FILES_HEADER + "".join(f"{p}\t{s}\n" for p, s in sorted(new.items())))
+    log(f"exported {len(names)} patches to {patches_dir} and {len(new)} files to {engine_dir}")
     return [patches_dir / n for n in names]
+
+
+def export_upstream(out: Path, tree: Path = DEFAULT_TREE, log=print) -> list[Path]:
+    """The series as upstream would take it: one patch per commit, the new files included."""
+    if out.exists() and any(out.iterdir()):
+        raise SparqError(f"{out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    _git(["format-patch", "-q", "--zero-commit", "--full-index", "--no-signature", "-o", str(out.resolve()),
+          f"{UPSTREAM_TAG}..HEAD"], tree)
+    made = sorted(out.glob("*.patch"))
+    log(f"exported {len(made)} patches (new files included) to {out}")
+    return made
 
 
 @click.group()
@@ -135,8 +231,16 @@ def _init(tree):
 @main.command("export")
 @click.argument("tree", type=click.Path(path_type=Path), default=DEFAULT_TREE)
 def _export(tree):
-    """Regenerate patches/ from the tree's commits."""
+    """Regenerate patches/ and engine/ from the tree's commits."""
     export_tree(tree)
+
+
+@main.command("export-upstream")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("tree", type=click.Path(path_type=Path), default=DEFAULT_TREE)
+def _export_upstream(out, tree):
+    """Write the series for upstream (new files included) into OUT, from the tree's commits."""
+    export_upstream(out, tree)
 
 
 if __name__ == "__main__":

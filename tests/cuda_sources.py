@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparq_cpp.pyext.patchtree import apply_series, series, series_hash
+from sparq_cpp.pyext.patchtree import patch_tree, series_hash
 from sparq_cpp.pyext.upstream import fetch_sdist, unpack_sdist
 
 KERNEL = "ggml/src/ggml-cuda/sparse-attn.cu"
@@ -47,7 +47,7 @@ def patched_tree(tmp_dir: Path) -> Path:
         if tree is None or not tree.is_dir():
             top = unpack_sdist(fetch_sdist(log=lambda *_: None), tmp_dir)
             tree = _UNPACKED[key] = top / "vendor" / "llama.cpp"
-            apply_series(tree, series())
+            patch_tree(tree)
     return tree
 
 

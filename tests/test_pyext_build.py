@@ -1,6 +1,7 @@
 """The pinned, patched, cached build and the developers' patch workflow."""
 from __future__ import annotations
 
+import email
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from sparq_cpp.pyext import patchtree
 from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, fetch_sdist, unpack_sdist, verify_sdist
 
 THROWAWAY_FILE = "README.md"
+ENGINE_FILE = "src/llama-sparse-attn.h"
 
 
 @pytest.fixture
@@ -23,6 +25,27 @@ def patches_copy(tmp_path):
     dst = tmp_path / "patches"
     shutil.copytree(PATCHES_DIR, dst)
     return dst
+
+
+@pytest.fixture
+def engine_copy(tmp_path):
+    dst = tmp_path / "engine"
+    shutil.copytree(patchtree.ENGINE_DIR, dst)
+    return dst
+
+
+def test_patches_edit_upstream_files_only_and_the_engine_is_files():
+    """The series holds no new files: what it adds lives in engine/ at its tree path, listed in engine/FILES."""
+    for p in patchtree.series():
+        assert b"\nnew file mode" not in p.read_bytes(), p.name
+    files = patchtree.engine_files()
+    assert {"ggml/src/ggml-cpu/sparse-attn.cpp", "ggml/src/ggml-cuda/sparse-attn.cu", "src/llama-kv-cache-sparse.cpp",
+            "src/llama-graph-sparse.cpp", "src/llama-sparse-attn.cpp"} <= set(files)
+    subjects = set()
+    for p in patchtree.series():
+        subject = email.message_from_string(p.read_text(errors="replace"))["Subject"]
+        subjects.add(" ".join(subject.split("] ", 1)[1].split()))  # unfolded, without "[PATCH n/m]"
+    assert set(files.values()) <= subjects  # each introduced by a patch of the series
 
 
 def test_pin_names_the_sdist():
@@ -92,34 +115,54 @@ def test_tools_run():
     assert proc.returncode == 0 and "usage" in (proc.stdout + proc.stderr).lower()
 
 
-def test_patch_workflow_round_trip(tmp_path, patches_copy):
-    """init -> commit a throwaway change -> export -> a fresh tree and a plain unpack both carry it."""
+def test_patch_workflow_round_trip(tmp_path, patches_copy, engine_copy):
+    """init -> commit throwaway changes (an upstream file, an engine file, a new file) -> export -> a fresh tree
+    and a plain unpack both carry them; patches/ gets the upstream edit, engine/ the files."""
+    quiet = dict(log=lambda *_: None)
     tree = tmp_path / "tree"
-    patchtree.init_tree(tree, patches_copy, log=lambda *_: None)
+    patchtree.init_tree(tree, patches_copy, engine_dir=engine_copy, **quiet)
+    assert (tree / ENGINE_FILE).read_bytes() == (engine_copy / ENGINE_FILE).read_bytes()
     n_before = len(patchtree.series(patches_copy))
     target = tree / THROWAWAY_FILE
     target.write_text(target.read_text() + "\nthrowaway line from the sparq-cpp test\n")
-    subprocess.run(["git", *patchtree._GIT_ID, "commit", "-q", "-am", "test: throwaway patch"],
-                   cwd=tree, check=True)
-    exported = patchtree.export_tree(tree, patches_copy, log=lambda *_: None)
+    (tree / ENGINE_FILE).write_text((tree / ENGINE_FILE).read_text() + "// throwaway engine line\n")
+    (tree / "src" / "llama-throwaway.cpp").write_text("// a throwaway new file\n")
+    subprocess.run(["git", *patchtree._GIT_ID, "add", "-A"], cwd=tree, check=True)
+    subprocess.run(["git", *patchtree._GIT_ID, "commit", "-q", "-m", "test: throwaway patch"], cwd=tree, check=True)
+    exported = patchtree.export_tree(tree, patches_copy, engine_dir=engine_copy, **quiet)
     assert len(exported) == n_before + 1
     assert exported[-1].name.endswith("test-throwaway-patch.patch")
+    text = exported[-1].read_text()
+    assert "throwaway line" in text and "throwaway engine line" not in text and "llama-throwaway" not in text
+    assert "throwaway engine line" in (engine_copy / ENGINE_FILE).read_text()
+    assert patchtree.engine_files(engine_copy)["src/llama-throwaway.cpp"] == "test: throwaway patch"
     assert patchtree.series(patches_copy) == exported
     # exporting the same commits again changes nothing, byte for byte
     before = {p.name: p.read_bytes() for p in exported}
-    patchtree.export_tree(tree, patches_copy, log=lambda *_: None)
+    patchtree.export_tree(tree, patches_copy, engine_dir=engine_copy, **quiet)
     assert {p.name: p.read_bytes() for p in patchtree.series(patches_copy)} == before
 
     tree2 = tmp_path / "tree2"
-    patchtree.init_tree(tree2, patches_copy, log=lambda *_: None)
+    patchtree.init_tree(tree2, patches_copy, engine_dir=engine_copy, **quiet)
     assert "throwaway line" in (tree2 / THROWAWAY_FILE).read_text()
+    assert "throwaway engine line" in (tree2 / ENGINE_FILE).read_text()
+    log = subprocess.run(["git", "log", "--format=%s", "--", "src/llama-throwaway.cpp"], cwd=tree2, capture_output=True,
+                         text=True, check=True).stdout.split("\n")
+    assert log[0] == "test: throwaway patch"  # a new file comes in with the patch that introduces it
 
-    top = unpack_sdist(fetch_sdist(log=lambda *_: None), tmp_path / "plain")
-    patchtree.apply_series(top / "vendor" / "llama.cpp", patchtree.series(patches_copy))
+    top = unpack_sdist(fetch_sdist(**quiet), tmp_path / "plain")
+    patchtree.patch_tree(top / "vendor" / "llama.cpp", patches_copy, engine_copy)
     assert "throwaway line" in (top / "vendor" / "llama.cpp" / THROWAWAY_FILE).read_text()
+    assert (top / "vendor" / "llama.cpp" / "src" / "llama-throwaway.cpp").is_file()
     # applying again fails, naming the patch that does not apply
     with pytest.raises(SparqError, match="throwaway"):
         patchtree.apply_series(top / "vendor" / "llama.cpp", exported[-1:])
+
+    # the series for upstream: every commit, its new files included
+    up = patchtree.export_upstream(tmp_path / "upstream", tree, **quiet)
+    assert len(up) == len(exported)
+    assert any("new file mode" in p.read_text(errors="replace") and "sparse-attn.cpp" in p.read_text(errors="replace")
+               for p in up)
 
 
 def test_export_refuses_dirty_tree(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)",
@@ -76,6 +76,31 @@ def test_a_hundred_requests_with_reused_prompts(model, projection, tmp_path, mod
         assert server.proc.poll() is None
         if mode == "alisa":  # the removals ALISA cannot follow were processed again, not aborted
             assert "processing the whole prompt again" in server.text()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("mode", ["sparq", "loki"])
+def test_a_reused_prompt_continues_as_a_fresh_one(model, projection, tmp_path, mode):
+    """The same request twice (the second reuses the whole cached prompt), and a request one token longer than a
+    cached one: the prompt's last token is evaluated in a prompt batch (dense), as for a fresh request, so the
+    text is the same as a server that never saw the prompt gives."""
+    prompt = next(prompts(1, seed=4))
+    fresh = {}
+    for variant in ("same", "longer"):
+        p = prompt if variant == "same" else prompt + " river"
+        server = LlamaServer(model, spec(mode, projection), tmp_path, tmp_path)
+        try:
+            fresh[variant] = server.complete(p, n=8)
+        finally:
+            server.close()
+    server = LlamaServer(model, spec(mode, projection), tmp_path, tmp_path)
+    try:
+        first = server.complete(prompt, n=8)
+        assert first == fresh["same"]
+        assert server.complete(prompt, n=8) == fresh["same"]  # the whole prompt from the cache
+        server.complete(prompt, n=1)
+        assert server.complete(prompt + " river", n=8) == fresh["longer"]  # one token beyond the cache
     finally:
         server.close()
 
