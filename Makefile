@@ -37,8 +37,9 @@ tree: $(VENV)/.deps
 export:
 	$(PY) -m sparq_cpp.pyext.patchtree export $(TREE)
 
-# The CUDA kernel's check for a machine with a GPU: .sparq-build/gpu-check (the patched ggml of the current series,
-# test-backend-ops, run.sh build|test|bench); bench/gpu_check.py. TREE=dir takes a `make tree` checkout.
+# The CUDA kernels' check for a machine with a GPU: .sparq-build/gpu-check (the patched llama.cpp of the current
+# series, trimmed, and run.sh: stages under one deadline, a JSON summary and logs in $OUT; docs/gpu-check.md);
+# bench/gpu_check.py. TREE=dir takes a `make tree` checkout; `.venv/bin/python -m bench.gpu_check --dry-run` prints the plan.
 gpu-check: $(VENV)/.deps
 	$(PY) -m bench.gpu_check $(if $(TREE),--tree $(TREE))
 

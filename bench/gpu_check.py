@@ -1,17 +1,30 @@
-"""A bundle for checking the sparse attention op's CUDA kernel on a machine with a GPU (`make gpu-check`).
+"""A bundle that checks the sparse attention op's CUDA kernels on a machine with a GPU (`make gpu-check`).
 
-The CUDA kernel of GGML_OP_SPARSE_ATTN is compiled in CI (tests/test_cuda_compile.py) but can only be run where
-there is a GPU. This writes a self-contained folder (default `.sparq-build/gpu-check`, a few MiB) that such a
-machine needs, with no network:
+The CUDA kernels of GGML_OP_SPARSE_ATTN are compiled in CI (tests/test_cuda_compile.py) and run there under an
+emulation of CUDA's thread model, but only a GPU can run them. This writes a self-contained folder (default
+`.sparq-build/gpu-check`, about 4 MiB) that such a machine needs, with no network and no package index:
 
-  llama-trimmed.tar.gz  the patched llama.cpp of the current series, trimmed to ggml (CPU and CUDA backends) and
-                        tests/test-backend-ops.cpp, with a small CMakeLists.txt that builds only test-backend-ops
-  run.sh                `run.sh build` configures and builds it with CUDA for the GPU present (CMake, nvcc and a
-                        C++ compiler needed) in `<bundle>-work` beside the bundle (so that a fresh copy of the
-                        bundle, as a device run carries it, keeps the build); `run.sh test` runs `test-backend-ops -o SPARSE_ATTN -b CUDA0` (every
-                        SparQ and Loki case against the CPU backend, planted inputs); `run.sh bench` times the op
-                        (`test-backend-ops perf -o SPARSE_ATTN`, the decode shapes at 4k-32k cells) beside flash
-                        attention. Logs go to $OUT if it is set, else to the bundle's folder.
+  llama-trimmed.tar.gz  the patched llama.cpp of the current series, trimmed to what the checks build: ggml (CPU and
+                        CUDA backends), libllama (src/, include/), common/, tools/llama-bench,
+                        tests/test-backend-ops.cpp and the vendored libraries common needs, with CMake lists cut
+                        down to those targets (tests/, tools/, vendor/) and `sparq-ops/` (ggml and test-backend-ops
+                        alone, the fallback when the whole tree does not configure); `sparq/` holds a copy-bandwidth
+                        program (bw.cu), the model writer (write_model.py) and the Python it runs: this checkout's
+                        sparq_cpp package and the gguf package it writes with (numpy, tqdm, pyyaml and requests
+                        come from the machine's Python)
+  run.sh                the check as stages under one deadline (`run.sh --help`): env, unpack, model (an 8-layer
+                        Llama 2 7B-shaped q8_0 model, written there in the background), configure, build
+                        (ggml-cuda and test-backend-ops), test (`test-backend-ops -o SPARSE_ATTN -b CUDA0`),
+                        opbench (the op's perf cases beside flash attention), bandwidth, build-e2e (libllama, common,
+                        llama-bench, in the background), e2e (llama-bench dense against SparQ at 4k-64k); each stage
+                        has its own time limit from what is left, every stage runs whatever failed before it, logs
+                        grow as written and summary.json (stage, status, seconds, key numbers) is rewritten after
+                        each stage, into $OUT; `run.sh --dry-run` plans every stage and runs nothing
+  SERIES                series hash, tarball digest, patch names (the work folder `<bundle>-work` is reused when
+                        it matches)
+
+On the GPU machine: `OUT=/some/dir .sparq-build/gpu-check/run.sh` (at most 570 s by default, `--budget`). Here:
+`python -m bench.gpu_check --dry-run` writes the bundle and prints the plan; `dry_run(bundle)` returns it.
 
 The patched tree is taken as tests/test_cuda_compile.py takes it: `--tree DIR` (a `make tree` checkout), else the
 installed build's tree if it was built from the current series, else the pinned sdist unpacked with the series
@@ -19,95 +32,937 @@ applied.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
+import json
+import os
 import shutil
+import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 
 import click
+import gguf
 
 from sparq_cpp.pyext.patchtree import patch_tree, series, series_hash
 from sparq_cpp.pyext.upstream import REPO_ROOT, fetch_sdist, unpack_sdist
 
 DEFAULT_OUT = REPO_ROOT / ".sparq-build" / "gpu-check"
+DEFAULT_BUDGET = 570  # seconds: the device runs one command for at most 600
+# what travels to the device with the working tree, at most
+TREE_LIMIT = 64 * 2**20
 
 # what of ggml/src a CPU + CUDA build reads: its own files and these backend folders
 GGML_SRC_DIRS = ("ggml-cpu", "ggml-cuda")
+# the parts of the patched tree the bundle carries (folders whole, except ggml/src's other backends)
+TREE_PARTS = ("CMakeLists.txt", "LICENSE", "cmake", "include", "src", "common", "ggml", "tools/llama-bench",
+              "tests/test-backend-ops.cpp", "vendor/nlohmann", "vendor/sheredom", "vendor/cpp-httplib")
+STAGES = ("env", "unpack", "model", "configure", "build", "build-e2e", "test", "opbench", "bandwidth", "e2e")
+BACKGROUND_STAGES = ("model", "build-e2e")
 
-CMAKELISTS = """\
-# test-backend-ops and ggml (CPU and CUDA backends) only, from the patched llama.cpp of the sparq-cpp series
-cmake_minimum_required(VERSION 3.14)
-project(sparq-gpu-check C CXX)
-set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-add_subdirectory(ggml)
-add_executable(test-backend-ops tests/test-backend-ops.cpp)
+# CMake lists that replace the upstream ones of the folders the bundle trims
+TESTS_CMAKELISTS = """\
+# test-backend-ops and the GPU check's op bench only (the sparq-cpp GPU check); they need ggml alone
+add_executable(test-backend-ops test-backend-ops.cpp)
 target_link_libraries(test-backend-ops PRIVATE ggml)
 target_compile_features(test-backend-ops PRIVATE cxx_std_17)
+add_executable(sparq-op-bench ${CMAKE_SOURCE_DIR}/sparq/op-bench.cpp)
+target_link_libraries(sparq-op-bench PRIVATE ggml)
+target_compile_features(sparq-op-bench PRIVATE cxx_std_17)
 """
 
+TOOLS_CMAKELISTS = """\
+# llama-bench only (the sparq-cpp GPU check)
+find_package(Threads REQUIRED)
+llama_add_compile_flags()
+add_subdirectory(llama-bench)
+"""
+
+VENDOR_CMAKELISTS = """\
+# what libllama and common need (the sparq-cpp GPU check)
+add_subdirectory(nlohmann)
+add_subdirectory(sheredom)
+if (LLAMA_BUILD_COMMON)
+    add_subdirectory(cpp-httplib)
+endif()
+"""
+
+OPS_CMAKELISTS = """\
+# ggml (CPU and CUDA backends) and test-backend-ops alone: the GPU check's fallback when the whole tree does not configure
+cmake_minimum_required(VERSION 3.14)
+project(sparq-gpu-check-ops C CXX)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_subdirectory(../ggml ggml)
+add_executable(test-backend-ops ../tests/test-backend-ops.cpp)
+target_link_libraries(test-backend-ops PRIVATE ggml)
+target_compile_features(test-backend-ops PRIVATE cxx_std_17)
+add_executable(sparq-op-bench ../sparq/op-bench.cpp)
+target_link_libraries(sparq-op-bench PRIVATE ggml)
+target_compile_features(sparq-op-bench PRIVATE cxx_std_17)
+"""
+
+BW_CU = r"""// The GPU's copy bandwidth (the sparq-cpp GPU check): device-to-device copies of one buffer, counting the bytes
+// read and written, by cudaMemcpyAsync and by a plain 16-byte-per-thread kernel. bw [MiB] [repeats]
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+    fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); return 1; } } while (0)
+
+__global__ void copy16(const int4 * __restrict__ a, int4 * __restrict__ b, size_t n) {
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x) {
+        b[i] = a[i];
+    }
+}
+
+int main(int argc, char ** argv) {
+    const size_t mib  = argc > 1 ? strtoull(argv[1], nullptr, 10) : 1024;
+    const int    reps = argc > 2 ? atoi(argv[2]) : 20;
+    const size_t bytes = mib << 20;
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, 0));
+    printf("device %s, cc %d.%d, %d SMs, L2 %d MiB, %zu MiB global\n", p.name, p.major, p.minor,
+           p.multiProcessorCount, p.l2CacheSize >> 20, p.totalGlobalMem >> 20);
+    void * a = nullptr;
+    void * b = nullptr;
+    CK(cudaMalloc(&a, bytes));
+    CK(cudaMalloc(&b, bytes));
+    CK(cudaMemset(a, 1, bytes));
+    CK(cudaMemset(b, 0, bytes));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float ms = 0.0f;
+
+    CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < reps; i++) {
+        CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    }
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    printf("copy_gb_s %.1f (cudaMemcpy device to device, %zu MiB x %d, bytes read + written)\n",
+           2.0 * bytes * reps / (ms * 1e-3) / 1e9, mib, reps);
+
+    const size_t n = bytes / sizeof(int4);
+    const int blocks = p.multiProcessorCount * 8;
+    copy16<<<blocks, 512>>>((const int4 *) a, (int4 *) b, n);
+    CK(cudaGetLastError());
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < reps; i++) {
+        copy16<<<blocks, 512>>>((const int4 *) a, (int4 *) b, n);
+    }
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    printf("kernel_copy_gb_s %.1f (16-byte loads and stores, %d blocks of 512, bytes read + written)\n",
+           2.0 * bytes * reps / (ms * 1e-3) / 1e9, blocks);
+    return 0;
+}
+"""
+
+OP_BENCH_CPP = r"""// The sparse attention op beside flash attention at batch 1, over many layers' caches (the sparq-cpp GPU check). Each
+// timed pass runs the op once per layer, each layer on its own K, V, K^T and mean of V, so that what a pass reads is
+// larger than the GPU's L2 cache, as in a model's decode step (test-backend-ops perf repeats the op on one set of
+// tensors, whose parts that fit stay in L2). Inputs are random (K^T is not K's transpose: timing only).
+//
+//   sparq-op-bench [-b CUDA0] [-l LAYERS] [-r REPS] [--types f16,q8_0] [--kv 4096,16384,32768] [--nh 8,32]
+//                  [--r 16] [--k 128] [--local 32]
+// -l 0 (the default): per case, enough layers (at least 8) that SparQ reads 256 MiB per pass, five times an H100's
+// L2, within half the device's free memory.
+// One line per case: op, cache type, KV heads, cells, layers, microseconds per layer, the bytes the op reads per
+// layer (SparQ: r rows of K^T and k rows of K and V per KV head; flash attention: K and V) and the rate they give.
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+static std::vector<std::string> split(const std::string & s) {
+    std::vector<std::string> out;
+    size_t a = 0;
+    while (a <= s.size()) {
+        size_t b = s.find(',', a);
+        if (b == std::string::npos) {
+            b = s.size();
+        }
+        if (b > a) {
+            out.push_back(s.substr(a, b - a));
+        }
+        a = b + 1;
+    }
+    return out;
+}
+
+// a random byte pattern of the type (whole blocks, made once per type), tiled over the tensor
+static void fill_random(ggml_tensor * t) {
+    static std::vector<uint8_t> pats[GGML_TYPE_COUNT];
+    const size_t blck_bytes = ggml_type_size(t->type);
+    const size_t chunk      = (size_t(8) << 20) / blck_bytes * blck_bytes;
+    std::vector<uint8_t> & pat = pats[t->type];
+    if (pat.empty()) {
+        std::mt19937 gen(42 + t->type);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        std::uniform_int_distribution<int> code(-127, 127);
+        pat.resize(chunk);
+        if (t->type == GGML_TYPE_F32) {
+            for (size_t i = 0; i < chunk / 4; ++i) {
+                const float x = u(gen);
+                memcpy(&pat[4*i], &x, 4);
+            }
+        } else if (t->type == GGML_TYPE_F16) {
+            for (size_t i = 0; i < chunk / 2; ++i) {
+                const ggml_fp16_t x = ggml_fp32_to_fp16(u(gen));
+                memcpy(&pat[2*i], &x, 2);
+            }
+        } else if (t->type == GGML_TYPE_Q8_0) {
+            const ggml_fp16_t d = ggml_fp32_to_fp16(1.0f/127.0f);
+            for (size_t b = 0; b < chunk / blck_bytes; ++b) {
+                memcpy(&pat[b*blck_bytes], &d, 2);
+                for (size_t i = 2; i < blck_bytes; ++i) {
+                    pat[b*blck_bytes + i] = (uint8_t) (int8_t) code(gen);
+                }
+            }
+        } else {
+            fprintf(stderr, "fill_random: type %s\n", ggml_type_name(t->type));
+            exit(1);
+        }
+    }
+    const size_t n = ggml_nbytes(t);
+    for (size_t off = 0; off < n; off += chunk) {
+        ggml_backend_tensor_set(t, pat.data(), off, std::min(chunk, n - off));
+    }
+}
+
+struct result {
+    bool   ok = false;
+    double us_per_layer = 0.0;
+    double bytes_per_layer = 0.0;
+};
+
+static double sparq_bytes(ggml_type type, int64_t hs, int64_t nh, int64_t kv, int r, int top_k) {
+    return nh*(double(kv)*r*2 + 2.0*std::min<int64_t>(top_k, kv)*(double) ggml_row_size(type, hs));
+}
+
+// layers <= 0: enough that SparQ reads 256 MiB per pass (at least 8, at most 1024), within half the free memory
+static int layers_for(ggml_backend_t be, int layers, ggml_type type, int64_t hs, int64_t nh, int64_t kv, int r, int top_k) {
+    if (layers > 0) {
+        return layers;
+    }
+    const double per_pass = 256.0*1024*1024;
+    int n = (int) std::ceil(per_pass / sparq_bytes(type, hs, nh, kv, r, top_k));
+    n = std::max(8, std::min(1024, n));
+    size_t free_mem = 0, total_mem = 0;
+    ggml_backend_dev_t dev = ggml_backend_get_device(be);
+    if (dev) {
+        ggml_backend_dev_memory(dev, &free_mem, &total_mem);
+    }
+    const double per_layer = 2.0*nh*kv*(double) ggml_row_size(type, hs) + 2.0*nh*kv*hs;  // K, V, K^T
+    if (free_mem > 0) {
+        n = std::max(1, std::min(n, (int) (0.5*free_mem / per_layer)));
+    }
+    return n;
+}
+
+static result run_case(ggml_backend_t be, bool sparq, ggml_type type, int64_t hs, int64_t nh, int64_t nr, int64_t kv,
+                       int layers, int reps, int r, int top_k, int n_local) {
+    result res;
+    const size_t n_nodes = (size_t) layers*4 + 16;
+    ggml_init_params ip = { ggml_tensor_overhead()*(n_nodes + 8*(size_t) layers) + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * q   = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, hs, 1, nh*nr, 1);
+    ggml_tensor * m   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, kv, 1, 1, 1);
+    ggml_tensor * pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, kv);
+    std::vector<std::vector<ggml_tensor *>> per_layer(layers);  // K, V (, K^T, mean of V) of each layer
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
+    ggml_tensor * first = nullptr;
+    for (int l = 0; l < layers; ++l) {
+        ggml_tensor * k = ggml_new_tensor_4d(ctx, type, hs, kv, nh, 1);
+        ggml_tensor * v = ggml_new_tensor_4d(ctx, type, hs, kv, nh, 1);
+        per_layer[l] = { k, v };
+        ggml_tensor * out;
+        if (sparq) {
+            ggml_tensor * kt = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, kv, hs, nh, 1);
+            ggml_tensor * vm = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, hs, nh, 1, 1);
+            per_layer[l].push_back(kt);
+            per_layer[l].push_back(vm);
+            out = ggml_sparq_attn(ctx, q, k, kt, v, m, pos, vm, 1.0f/sqrtf((float) hs), r, top_k, n_local, true);
+        } else {
+            out = ggml_flash_attn_ext(ctx, q, k, v, m, 1.0f/sqrtf((float) hs), 0.0f, 0.0f);
+            ggml_prec_set_acc(out, GGML_PREC_F32);
+        }
+        first = first ? first : out;
+        ggml_build_forward_expand(gf, out);
+    }
+    if (!ggml_backend_supports_op(be, first)) {
+        ggml_free(ctx);
+        return res;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, be);
+    if (!buf) {
+        fprintf(stderr, "could not allocate the tensors of %d layers\n", layers);
+        ggml_free(ctx);
+        return res;
+    }
+    // random data in layer 0, copied on the device into the other layers (same values, their own memory)
+    fill_random(q);
+    for (ggml_tensor * t : per_layer[0]) {
+        fill_random(t);
+    }
+    for (int l = 1; l < layers; ++l) {
+        for (size_t i = 0; i < per_layer[l].size(); ++i) {
+            ggml_backend_tensor_copy(per_layer[0][i], per_layer[l][i]);
+        }
+    }
+    ggml_backend_tensor_memset(m, 0, 0, ggml_nbytes(m));  // every cell visible
+    std::vector<int32_t> p(kv);
+    for (int64_t i = 0; i < kv; ++i) {
+        p[i] = (int32_t) i;
+    }
+    ggml_backend_tensor_set(pos, p.data(), 0, ggml_nbytes(pos));
+
+    for (int i = 0; i < 2; ++i) {
+        if (ggml_backend_graph_compute(be, gf) != GGML_STATUS_SUCCESS) {
+            fprintf(stderr, "graph compute failed\n");
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+            return res;
+        }
+    }
+    const int64_t t0 = ggml_time_us();
+    for (int i = 0; i < reps; ++i) {
+        ggml_backend_graph_compute(be, gf);
+    }
+    ggml_backend_synchronize(be);
+    const int64_t t1 = ggml_time_us();
+
+    const double row = (double) ggml_row_size(type, hs);
+    res.ok = true;
+    res.us_per_layer = double(t1 - t0) / (double(reps) * layers);
+    res.bytes_per_layer = sparq ? sparq_bytes(type, hs, nh, kv, r, top_k) : 2.0*nh*kv*row;
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    return res;
+}
+
+int main(int argc, char ** argv) {
+    std::string dev = "CUDA0";
+    int layers = 0, reps = 20, r = 16, top_k = 128, n_local = 32;
+    std::vector<std::string> types = { "f16", "q8_0" }, kvs = { "4096", "16384", "32768" }, nhs = { "8", "32" };
+    const int64_t hs = 128, n_head = 32;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        const char * val = i + 1 < argc ? argv[i + 1] : nullptr;
+        if (!val) {
+            fprintf(stderr, "%s needs a value\n", a.c_str());
+            return 2;
+        }
+        ++i;
+        if (a == "-b") { dev = val; }
+        else if (a == "-l") { layers = atoi(val); }
+        else if (a == "-r") { reps = atoi(val); }
+        else if (a == "--types") { types = split(val); }
+        else if (a == "--kv") { kvs = split(val); }
+        else if (a == "--nh") { nhs = split(val); }
+        else if (a == "--r") { r = atoi(val); }
+        else if (a == "--k") { top_k = atoi(val); }
+        else if (a == "--local") { n_local = atoi(val); }
+        else { fprintf(stderr, "unknown argument %s\n", a.c_str()); return 2; }
+    }
+    ggml_time_init();
+    ggml_backend_load_all();
+    ggml_backend_t be = ggml_backend_init_by_name(dev.c_str(), nullptr);
+    if (!be) {
+        fprintf(stderr, "no backend %s\n", dev.c_str());
+        return 1;
+    }
+    printf("backend %s, %d passes, head size %lld, %lld query heads, r=%d k=%d l=%d\n", ggml_backend_name(be),
+           reps, (long long) hs, (long long) n_head, r, top_k, n_local);
+    fflush(stdout);
+    int failed = 0;
+    for (const std::string & ts : types) {
+        const ggml_type type = ts == "q8_0" ? GGML_TYPE_Q8_0 : ts == "f32" ? GGML_TYPE_F32 : GGML_TYPE_F16;
+        for (const std::string & nhs_i : nhs) {
+            const int64_t nh = atoll(nhs_i.c_str());
+            for (const std::string & kvs_i : kvs) {
+                const int64_t kv = atoll(kvs_i.c_str());
+                const int nl = layers_for(be, layers, type, hs, nh, kv, r, top_k);
+                for (const bool sparq : { true, false }) {
+                    const result res = run_case(be, sparq, type, hs, nh, n_head/nh, kv, nl, reps, r, top_k, n_local);
+                    if (!res.ok) {
+                        printf("op=%s type=%s nh=%lld kv=%lld layers=%d not supported or failed\n", sparq ? "sparq" : "flash",
+                               ts.c_str(), (long long) nh, (long long) kv, nl);
+                        failed++;
+                    } else {
+                        printf("op=%s type=%s nh=%lld kv=%lld layers=%d us_per_layer=%.2f bytes_per_layer=%.0f gb_s=%.1f\n",
+                               sparq ? "sparq" : "flash", ts.c_str(), (long long) nh, (long long) kv, nl, res.us_per_layer,
+                               res.bytes_per_layer, res.bytes_per_layer / (res.us_per_layer * 1e3));
+                    }
+                    fflush(stdout);
+                }
+            }
+        }
+    }
+    ggml_backend_free(be);
+    return failed ? 1 : 0;
+}
+"""
+
+WRITE_MODEL_PY = '''\
+"""Writes the GPU check's model: an n-layer q8_0 GGUF of a sparq_cpp.modelfactory preset (default: 8 layers of
+llama2-7b), seed 0, with the bundle's copies of sparq_cpp and gguf (py/ beside this file); numpy, tqdm, pyyaml and
+requests come from the Python that runs it. Prints one JSON line.
+
+    python3 write_model.py OUT.gguf [LAYERS] [PRESET]
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "py"))
+
+from sparq_cpp.modelfactory import write_model  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    layers = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    preset = sys.argv[3] if len(sys.argv) > 3 else "llama2-7b"
+    t0 = time.time()
+    path = write_model(out, preset, layers=layers, wtype="q8_0", seed=0, make_parents=True)
+    print(json.dumps({"model": str(path), "bytes": path.stat().st_size, "seconds": round(time.time() - t0, 1),
+                      "preset": preset, "layers": layers,
+                      "modules": {m: sys.modules[m].__file__ for m in ("gguf", "sparq_cpp", "numpy")}}))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
 RUN_SH = r"""#!/usr/bin/env bash
-# sparq-cpp GPU check: build test-backend-ops with CUDA, check SPARSE_ATTN (SparQ and Loki) against the CPU, time it.
-#   run.sh build   configure and build (CMAKE_CUDA_ARCHITECTURES=native unless CUDA_ARCH is set; JOBS=nproc)
-#   run.sh test    test-backend-ops -o SPARSE_ATTN -b CUDA0
-#   run.sh bench   test-backend-ops perf for SPARSE_ATTN and FLASH_ATTN_EXT on CUDA0
-#   run.sh all     the three
-set -euo pipefail
-HERE="$(cd "$(dirname "$0")" && pwd)"
-LOGS="${OUT:-$HERE}"
-mkdir -p "$LOGS"
-# the sources and the build live beside the bundle, not in it: a new copy of the bundle keeps the build
+# sparq-cpp GPU check, written by bench/gpu_check.py (`make gpu-check`): builds the patched llama.cpp of the bundle
+# with CUDA, checks GGML_OP_SPARSE_ATTN against the CPU, times it beside flash attention, measures the copy
+# bandwidth, writes an 8-layer Llama 2 7B-shaped q8_0 model and runs llama-bench dense against SparQ.
+#
+#   run.sh [--dry-run] [--budget SECONDS] [STAGE ...]
+#
+# Stages, in order (default: all): env unpack model configure build build-e2e test opbench bandwidth e2e.
+# `model` (the model writer) and `build-e2e` (libllama, common, llama-bench) run in the background beside the stages
+# after them; e2e waits for both. The whole run has one deadline, --budget seconds from the start (default 570,
+# GPU_CHECK_BUDGET): each stage's time limit is min(its own maximum, what is left minus what the stages after it
+# keep back), and a stage with less than its minimum left is skipped. A stage that fails or times out does not stop
+# the run: every later stage runs unless what it needs is missing (then it is "skipped" with the reason).
+# Logs are appended as they grow; $OUT (else <bundle>/out) gets summary.json (rewritten after every stage) and at
+# most 7 logs. --dry-run prints every stage, its limit and its commands, with each earlier stage taking its typical
+# time on a 16-core H100 machine (--dry-run=worst: its whole limit), writes summary.json with status "planned", and
+# runs nothing (no GPU needed).
+#
+# Environment: CUDACXX (nvcc; else /usr/local/cuda/bin/nvcc, else PATH's), CUDA_ARCH (else the GPU's compute
+# capability from nvidia-smi), GPU_CHECK_LIMITS ("stage=max[:reserve[:minimum]],..." seconds), CUBLAS_ROOT (a
+# folder holding cublas_v2.h, libcublas.so* and libcublasLt.so*; else the toolkit's cuBLAS, else an nvidia cuBLAS
+# wheel in python3's site-packages, as PyTorch installs one), JOBS (build jobs, default nproc), PYTHON (default python3), GPU_CHECK_WORK (sources, build and
+# model; default <bundle>-work, kept between runs), E2E_DEPTHS, E2E_SPARSE, E2E_LAYERS.
+set -u -o pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+DRY=0
+WORST=0
+BUDGET="${GPU_CHECK_BUDGET:-570}"
+ALL_STAGES=(env unpack model configure build build-e2e test opbench bandwidth e2e)
+SELECTED=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY=1 ;;
+        --dry-run=worst) DRY=1; WORST=1 ;;
+        --budget) BUDGET="${2:-}"; shift ;;
+        --budget=*) BUDGET="${1#*=}" ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *)  if [[ " ${ALL_STAGES[*]} " == *" $1 "* ]]; then SELECTED+=("$1")
+            else echo "run.sh: unknown argument '$1' (stages: ${ALL_STAGES[*]})" >&2; exit 2; fi ;;
+    esac
+    shift
+done
+[[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "run.sh: --budget takes whole seconds, got '$BUDGET'" >&2; exit 2; }
+[ ${#SELECTED[@]} -gt 0 ] || SELECTED=("${ALL_STAGES[@]}")
+
+LOGS="${OUT:-$HERE/out}"
 WORK="${GPU_CHECK_WORK:-$HERE-work}"
 SRC="$WORK/src"
 BUILD="$WORK/build"
-TBO="$BUILD/bin/test-backend-ops"
+PYTHON="${PYTHON:-python3}"
+JOBS="${JOBS:-$(nproc 2>/dev/null || echo 16)}"
+E2E_LAYERS="${E2E_LAYERS:-8}"
+MODEL="$WORK/llama2-7b-L${E2E_LAYERS}.q8_0.gguf"
+E2E_DEPTHS="${E2E_DEPTHS:-32768,4096,16384,65536,8192}"  # 32k first: the depth the targets name
+E2E_SPARSE="${E2E_SPARSE:-sparq:r=16,k=128}"
+mkdir -p "$LOGS"
+[ $DRY = 1 ] || mkdir -p "$WORK"
 
-build() {
-    command -v cmake >/dev/null || { echo "cmake not found"; exit 2; }
-    command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "nvcc not found"; exit 2; }
-    command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
-    nvidia-smi -L || true
-    # unpacked again when the bundle is of another series or tree
-    if ! cmp -s "$HERE/SERIES" "$WORK/SERIES"; then
-        rm -rf "$SRC" && mkdir -p "$SRC" && tar xzf "$HERE/llama-trimmed.tar.gz" -C "$SRC" && cp "$HERE/SERIES" "$WORK/SERIES"
+# ---- time: one deadline for the run ---------------------------------------------------------------------------
+T0=$(date +%s)
+VCLOCK=0   # the dry run's clock: each planned stage takes its typical time (--dry-run=worst: its whole limit)
+elapsed() { if [ $DRY = 1 ]; then echo $VCLOCK; else echo $(( $(date +%s) - T0 )); fi; }
+
+# stage: maximum seconds, seconds kept back for the stages after it, minimum worth starting; bg: background
+declare -A MAX=( [env]=30 [unpack]=60 [model]=300 [configure]=120 [build]=480 [test]=120 [opbench]=180 [bandwidth]=45 [build-e2e]=300 [e2e]=600 )
+declare -A RESERVE=( [env]=0 [unpack]=0 [model]=20 [configure]=0 [build]=160 [test]=100 [opbench]=50 [bandwidth]=30 [build-e2e]=30 [e2e]=5 )
+declare -A MINIMUM=( [env]=5 [unpack]=5 [model]=30 [configure]=10 [build]=60 [test]=15 [opbench]=15 [bandwidth]=5 [build-e2e]=20 [e2e]=20 )
+# typical seconds on a 16-core H100 machine, for the dry run's clock (--dry-run=worst: each stage its whole limit)
+declare -A EXPECT=( [env]=5 [unpack]=3 [model]=90 [configure]=30 [build]=300 [test]=40 [opbench]=90 [bandwidth]=10 [build-e2e]=150 [e2e]=120 )
+declare -A BG=( [model]=1 [build-e2e]=1 )
+# GPU_CHECK_LIMITS="stage=max[:reserve[:minimum]],...": other limits
+for spec in ${GPU_CHECK_LIMITS:+${GPU_CHECK_LIMITS//,/ }}; do
+    st=${spec%%=*}; IFS=: read -r mx rs mn <<< "${spec#*=}"
+    [ -n "${MAX[$st]:-}" ] && [[ "$mx" =~ ^[0-9]+$ ]] || { echo "run.sh: GPU_CHECK_LIMITS: bad '$spec'" >&2; exit 2; }
+    MAX[$st]=$mx; [[ "${rs:-}" =~ ^[0-9]+$ ]] && RESERVE[$st]=$rs; [[ "${mn:-}" =~ ^[0-9]+$ ]] && MINIMUM[$st]=$mn
+done
+
+declare -A ST_STATUS ST_RC ST_START ST_SECS ST_LIMIT ST_NOTE ST_CMDS ST_NUMS ST_LOG ST_PID
+for s in "${ALL_STAGES[@]}"; do ST_STATUS[$s]="not selected"; ST_RC[$s]=""; ST_START[$s]=""; ST_SECS[$s]=""; ST_LIMIT[$s]=""; ST_NOTE[$s]=""; ST_CMDS[$s]=""; ST_NUMS[$s]=""; ST_LOG[$s]=""; done
+for s in "${SELECTED[@]}"; do ST_STATUS[$s]="pending"; done
+
+limit_for() {  # the stage's time limit now (0: not enough time left)
+    local s=$1 left lim
+    left=$(( BUDGET - $(elapsed) - ${RESERVE[$s]} ))
+    lim=${MAX[$s]}
+    [ $left -lt $lim ] && lim=$left
+    [ $lim -lt ${MINIMUM[$s]} ] && lim=0
+    echo $lim
+}
+
+# ---- JSON ----------------------------------------------------------------------------------------------------
+jstr() { local s=${1//\\/\\\\}; s=${s//\"/\\\"}; s=${s//$'\t'/\\t}; s=${s//$'\r'/}; s=${s//$'\n'/\\n}; s=${s//$'\e'/}; printf '"%s"' "$s"; }
+jnum() { if [[ "${1:-}" =~ ^-?[0-9]+([.][0-9]+)?([eE][-+]?[0-9]+)?$ ]]; then printf '%s' "$1"; else printf 'null'; fi; }
+num() {  # num KEY VALUE: a number (or null) into the current stage's numbers
+    ST_NUMS[$STAGE]+="${ST_NUMS[$STAGE]:+, }$(jstr "$1"): $(jnum "${2:-}")"; }
+str() {  # str KEY VALUE: a string into the current stage's numbers
+    ST_NUMS[$STAGE]+="${ST_NUMS[$STAGE]:+, }$(jstr "$1"): $(jstr "${2:-}")"; }
+raw() {  # raw KEY JSON
+    ST_NUMS[$STAGE]+="${ST_NUMS[$STAGE]:+, }$(jstr "$1"): $2"; }
+
+# the same into REPLY, without a subshell (the summary is written often)
+jstr_r() { local s=${1//\\/\\\\}; s=${s//\"/\\\"}; s=${s//$'\t'/\\t}; s=${s//$'\r'/}; s=${s//$'\n'/\\n}; s=${s//$'\e'/}; REPLY="\"$s\""; }
+jnum_r() { if [[ "${1:-}" =~ ^-?[0-9]+([.][0-9]+)?([eE][-+]?[0-9]+)?$ ]]; then REPLY=$1; else REPLY=null; fi; }
+
+SERIES_LINE=""
+[ -f "$HERE/SERIES" ] && SERIES_LINE=$(tr '\n' ' ' < "$HERE/SERIES" | cut -c1-400)
+
+write_summary() {
+    local f="$LOGS/summary.json" s c cmds body="" e
+    for s in "${ALL_STAGES[@]}"; do
+        cmds=""
+        while IFS= read -r c; do [ -n "$c" ] && { jstr_r "$c"; cmds+="${cmds:+, }$REPLY"; }; done <<< "${ST_CMDS[$s]}"
+        jstr_r "$s"; e="{\"name\": $REPLY"
+        jstr_r "${ST_STATUS[$s]}"; e+=", \"status\": $REPLY"
+        [ -n "${BG[$s]:-}" ] && e+=", \"background\": true" || e+=", \"background\": false"
+        jnum_r "${ST_RC[$s]}"; e+=", \"rc\": $REPLY"
+        jnum_r "${ST_START[$s]}"; e+=", \"start_s\": $REPLY"
+        jnum_r "${ST_SECS[$s]}"; e+=", \"seconds\": $REPLY"
+        jnum_r "${ST_LIMIT[$s]}"; e+=", \"limit_s\": $REPLY"
+        jstr_r "${ST_LOG[$s]}"; e+=", \"log\": $REPLY"
+        jstr_r "${ST_NOTE[$s]}"; e+=", \"note\": $REPLY"
+        e+=", \"commands\": [$cmds], \"numbers\": {${ST_NUMS[$s]}}}"
+        body+="${body:+,}"$'\n  '"$e"
+    done
+    local head
+    jstr_r "$SERIES_LINE"; head="{\"schema\": 1, \"dry_run\": $([ $DRY = 1 ] && echo true || echo false), \"budget_s\": $BUDGET, \"elapsed_s\": $(elapsed), \"bundle\": $REPLY"
+    jstr_r "$WORK"; head+=", \"work\": $REPLY"
+    jstr_r "$LOGS"; head+=", \"out\": $REPLY"
+    printf '%s,\n "stages": [%s\n]}\n' "$head" "$body" > "$f.tmp" && mv -f "$f.tmp" "$f"
+}
+
+# ---- running commands ----------------------------------------------------------------------------------------
+STAGE=""
+STAGE_END=0
+note() { ST_NOTE[$STAGE]+="${ST_NOTE[$STAGE]:+; }$*"; }
+
+record() { ST_CMDS[$STAGE]+="$*"$'\n'; }
+
+exec_cmd() {  # exec_cmd LOG CMD...: run CMD, killed at the stage's deadline, its output appended to LOG
+    local log=$1; shift
+    if [ $DRY = 1 ]; then echo "      \$ $*    >> $log"; return 0; fi
+    local left=$(( STAGE_END - $(date +%s) ))
+    if [ $left -le 0 ]; then echo "[$STAGE: deadline passed before: $*]" >> "$LOGS/$log"; return 124; fi
+    echo "[$STAGE +$(elapsed)s, ${left}s left] \$ $*" >> "$LOGS/$log"
+    timeout -k 10 "$left" "$@" >> "$LOGS/$log" 2>&1 < /dev/null
+    local rc=$?
+    echo "[$STAGE +$(elapsed)s] rc=$rc" >> "$LOGS/$log"
+    return $rc
+}
+
+run() { record "${@:2}"; exec_cmd "$@"; }  # run LOG CMD...: one command of the current stage
+
+bg_run() {  # bg_run LOG CMD...: as run, in the background; its exit status goes to $WORK/.<stage>.rc
+    record "${@:2}"
+    if [ $DRY = 1 ]; then exec_cmd "$@"; finish 0; return; fi
+    rm -f "$WORK/.$STAGE.rc"
+    ( exec_cmd "$@"; echo $? > "$WORK/.$STAGE.rc.tmp"; mv "$WORK/.$STAGE.rc.tmp" "$WORK/.$STAGE.rc" ) &
+    ST_PID[$STAGE]=$!
+}
+
+run_to() {  # run_to FILE LOG CMD...: as run, stdout to FILE (kept as it grows, then appended to LOG), stderr to LOG
+    local file=$1 log=$2; shift 2
+    record "$* > $(basename "$file")"
+    if [ $DRY = 1 ]; then echo "      \$ $* > $(basename "$file")  2>> $log"; return 0; fi
+    local left=$(( STAGE_END - $(date +%s) ))
+    if [ $left -le 0 ]; then echo "[$STAGE: deadline passed before: $*]" >> "$LOGS/$log"; return 124; fi
+    echo "[$STAGE +$(elapsed)s, ${left}s left] \$ $* > $file" >> "$LOGS/$log"
+    timeout -k 10 "$left" "$@" > "$file" 2>> "$LOGS/$log" < /dev/null
+    local rc=$?
+    cat "$file" >> "$LOGS/$log"
+    echo "[$STAGE +$(elapsed)s] rc=$rc" >> "$LOGS/$log"
+    return $rc
+}
+
+q() { timeout 20 "$@" 2>/dev/null; }  # a quick probe whose output is a value
+
+status_of() { case $1 in 0) echo ok ;; 124|137) echo timeout ;; *) echo failed ;; esac; }
+
+begin() {  # begin STAGE LOG: 0 when the stage is to run (its limit set), 1 when skipped
+    STAGE=$1
+    ST_LOG[$STAGE]=$2
+    local lim; lim=$(limit_for "$STAGE")
+    ST_START[$STAGE]=$(elapsed)
+    ST_LIMIT[$STAGE]=$lim
+    if [ "$lim" -le 0 ]; then
+        ST_STATUS[$STAGE]="skipped"; note "not enough time left ($(( BUDGET - $(elapsed) ))s of ${BUDGET}s, minimum ${MINIMUM[$STAGE]}s, ${RESERVE[$STAGE]}s kept for later stages)"
+        echo "== $STAGE: skipped (time)"
+        write_summary; return 1
     fi
-    gen=()
-    command -v ninja >/dev/null && gen=(-G Ninja)
-    cmake -S "$SRC" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-native}" -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON \
-        2>&1 | tee "$LOGS/configure.log"
-    cmake --build "$BUILD" --target test-backend-ops -j "${JOBS:-$(nproc)}" 2>&1 | tail -n 40 | tee "$LOGS/build.log"
-    test -x "$TBO"
+    STAGE_END=$(( $(date +%s) + lim ))
+    ST_STATUS[$STAGE]=$([ $DRY = 1 ] && echo planned || echo running)
+    echo "== $STAGE: limit ${lim}s, starts at +${ST_START[$STAGE]}s$([ -n "${BG[$STAGE]:-}" ] && echo ' (background)')"
+    write_summary
+    return 0
 }
 
-run_test() {
-    test -x "$TBO" || { echo "not built: run.sh build first"; exit 2; }
-    "$TBO" -o SPARSE_ATTN -b CUDA0 2>&1 | tee "$LOGS/test-sparse-attn.log"
-    # test-backend-ops exits non-zero when a case fails; a case CUDA refuses (supports_op) is reported as not supported
-    grep -c "not supported" "$LOGS/test-sparse-attn.log" | sed 's/^/cases not supported by CUDA0: /' || true
+finish() {  # finish RC: the current stage's status from the exit status of its last (or first failing) command
+    local rc=$1
+    if [ $DRY = 1 ]; then
+        local t=${EXPECT[$STAGE]}
+        [ $WORST = 1 ] || [ "$t" -gt "${ST_LIMIT[$STAGE]}" ] && t=${ST_LIMIT[$STAGE]}
+        ST_STATUS[$STAGE]=planned; ST_SECS[$STAGE]=$t
+        [ -n "${BG[$STAGE]:-}" ] || VCLOCK=$(( VCLOCK + t ))
+    else
+        ST_RC[$STAGE]=$rc; ST_STATUS[$STAGE]=$(status_of "$rc"); ST_SECS[$STAGE]=$(( $(elapsed) - ST_START[$STAGE] ))
+        echo "== $STAGE: ${ST_STATUS[$STAGE]} (rc $rc, ${ST_SECS[$STAGE]}s)"
+        [ -n "${ST_LOG[$STAGE]}" ] && [ -f "$LOGS/${ST_LOG[$STAGE]}" ] && tail -n 6 "$LOGS/${ST_LOG[$STAGE]}" | sed 's/^/   | /' | cut -c1-220
+    fi
+    write_summary
 }
 
-run_bench() {
-    test -x "$TBO" || { echo "not built: run.sh build first"; exit 2; }
-    "$TBO" perf -o SPARSE_ATTN -b CUDA0 2>&1 | tee "$LOGS/perf-sparse-attn.log"
-    # dense flash attention at the decode shapes of the SPARSE_ATTN perf cases
-    "$TBO" perf -o FLASH_ATTN_EXT -b CUDA0 -p 'hsk=128,hsv=128,nh=(32|8),nr23=\[(1|4),1\],kv=(4096|16384|32768),nb=1,' \
-        2>&1 | tee "$LOGS/perf-flash-attn.log"
+skip() {  # skip REASON: the current stage cannot run (what it needs is missing)
+    ST_STATUS[$STAGE]=skipped; note "$*"; echo "== $STAGE: skipped: $*"; write_summary; }
+
+selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
+
+# ---- what env finds (placeholders in a dry run) --------------------------------------------------------------
+NVCC="<nvcc>"; CUDA_ROOT="<toolkit>"; ARCH="${CUDA_ARCH:-<compute capability from nvidia-smi>}"
+CUBLAS_ARGS=(); VMM_ARGS=(); CUBLAS_LIB=""; GEN=(-G Ninja)
+[ $DRY = 1 ] && CUBLAS_ARGS=("<cuBLAS: the toolkit's, or -DCMAKE_CUDA_FLAGS=-I<wheel>/include -DCUDA_cublas_LIBRARY=... -DCUDA_cublasLt_LIBRARY=...>") \
+             && VMM_ARGS=("<-DGGML_CUDA_NO_VMM=ON when no libcuda.so is found>")
+BIN="$BUILD/bin"
+RUN_LD() { echo "LD_LIBRARY_PATH=$BIN${CUBLAS_LIB:+:$CUBLAS_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; }
+
+CUBLAS_WHERE=""; DRIVER_WHERE=""; CUBLAS_INC=""
+find_cublas() {  # sets CUBLAS_WHERE, CUBLAS_ARGS, CUBLAS_LIB
+    local d inc lib lt cand=()
+    [ -n "${CUBLAS_ROOT:-}" ] && from_wheel "$CUBLAS_ROOT" && { CUBLAS_WHERE="CUBLAS_ROOT $CUBLAS_ROOT"; return 0; }
+    for d in "$CUDA_ROOT" "$CUDA_ROOT/targets/x86_64-linux"; do
+        [ -f "$d/include/cublas_v2.h" ] || continue
+        for lib in "$d/lib64" "$d/lib"; do
+            if compgen -G "$lib/libcublas.so*" > /dev/null; then CUBLAS_WHERE="toolkit $d"; CUBLAS_LIB=$lib; return 0; fi
+        done
+    done
+    while IFS= read -r d; do [ -d "$d/nvidia" ] && cand+=("$d/nvidia"); done < <(q "$PYTHON" -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path[1:]))')
+    for d in /opt/*/.venv/lib/python3*/site-packages /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-packages; do
+        [ -d "$d/nvidia" ] && cand+=("$d/nvidia")
+    done
+    for d in "${cand[@]}"; do
+        from_wheel "$d" && { CUBLAS_WHERE="wheel $(dirname "$CUBLAS_INC")"; return 0; }
+    done
+    CUBLAS_WHERE="none found (CUBLAS_ROOT, toolkit, python site-packages)"; return 1
 }
 
-case "${1:-all}" in
-    build) build ;;
-    test)  run_test ;;
-    bench) run_bench ;;
-    all)   build; run_test; run_bench ;;
-    *) echo "usage: run.sh build|test|bench|all"; exit 2 ;;
-esac
+from_wheel() {  # from_wheel DIR: cuBLAS's header and libraries under DIR (a wheel's layout) -> CUBLAS_ARGS, CUBLAS_LIB
+    local d=$1 inc lib lt
+    [ -d "$d" ] || return 1
+    inc=$(find -L "$d" -maxdepth 4 -name cublas_v2.h 2>/dev/null | sort | head -1)
+    lib=$(find -L "$d" -maxdepth 4 -name 'libcublas.so*' 2>/dev/null | sort | head -1)
+    lt=$(find -L "$d" -maxdepth 4 -name 'libcublasLt.so*' 2>/dev/null | sort | head -1)
+    [ -n "$inc" ] && [ -n "$lib" ] && [ -n "$lt" ] || return 1
+    # cuBLAS's headers alone: a wheel folder can hold other CUDA headers, of another version than nvcc's
+    local only="$WORK/cublas-include" h
+    rm -rf "$only"; mkdir -p "$only"
+    for h in "$(dirname "$inc")"/cublas*.h; do ln -s "$h" "$only/"; done
+    CUBLAS_ARGS=("-DCMAKE_CUDA_FLAGS=-I$only" "-DCUDA_cublas_LIBRARY=$lib" "-DCUDA_cublasLt_LIBRARY=$lt")
+    CUBLAS_LIB=$(dirname "$lib")
+    CUBLAS_INC=$(dirname "$inc")
+}
+
+find_driver_lib() {  # sets DRIVER_WHERE, VMM_ARGS: the driver library that ggml's VMM pool links, else NO_VMM
+    local d p
+    for d in lib64 lib targets/x86_64-linux/lib; do
+        [ -f "$CUDA_ROOT/$d/stubs/libcuda.so" ] && { DRIVER_WHERE="stub $CUDA_ROOT/$d/stubs/libcuda.so"; return 0; }
+    done
+    p=$(q ldconfig -p | awk '$1 == "libcuda.so" {print $NF; exit}')
+    for d in "$p" /usr/lib/x86_64-linux-gnu/libcuda.so /usr/lib64/libcuda.so /usr/local/nvidia/lib64/libcuda.so /usr/local/nvidia/lib/libcuda.so; do
+        [ -n "$d" ] && [ -e "$d" ] && { VMM_ARGS=("-DCUDA_cuda_driver_LIBRARY=$d"); DRIVER_WHERE="driver $d"; return 0; }
+    done
+    VMM_ARGS=(-DGGML_CUDA_NO_VMM=ON)
+    DRIVER_WHERE="none (GGML_CUDA_NO_VMM=ON)"; return 1
+}
+
+# ---- stages --------------------------------------------------------------------------------------------------
+stage_env() {
+    begin env env.log || return
+    run env.log uname -a
+    run env.log nvidia-smi
+    run env.log nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+    run env.log bash -c 'nproc; free -g; df -h .; command -v nvcc cmake ninja gcc g++ python3 ncu; cmake --version; ninja --version; g++ --version; nvcc --version; ldconfig -p | grep -E "libcuda\.so|libcublas" || true'
+    if [ $DRY = 1 ]; then finish 0; return; fi
+    local cap gpu drv cub drvlib
+    gpu=$(q nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+    cap=$(q nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' ')
+    drv=$(q nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+    if [ -n "${CUDA_ARCH:-}" ]; then ARCH=$CUDA_ARCH; note "CUDA_ARCH=$CUDA_ARCH given"
+    elif [[ "$cap" =~ ^[0-9]+\.[0-9]+$ ]]; then ARCH=${cap/./}
+    else ARCH=90; note "no compute capability from nvidia-smi: building sm_90"; fi
+    if [ -n "${CUDACXX:-}" ]; then NVCC=$CUDACXX
+    elif [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc
+    else NVCC=$(command -v nvcc || echo ""); fi
+    [ -n "$NVCC" ] && CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$NVCC")")") || { NVCC=nvcc; CUDA_ROOT=/usr/local/cuda; note "nvcc not found"; }
+    command -v ninja > /dev/null || GEN=()
+    find_cublas; cub=$CUBLAS_WHERE
+    find_driver_lib; drvlib=$DRIVER_WHERE
+    { echo "gpu: $gpu"; echo "compute capability: $cap -> CMAKE_CUDA_ARCHITECTURES=$ARCH"; echo "driver: $drv";
+      echo "nvcc: $NVCC (toolkit $CUDA_ROOT)"; echo "cuBLAS: $cub ${CUBLAS_ARGS[*]}"; echo "driver library: $drvlib ${VMM_ARGS[*]}"; } >> "$LOGS/env.log"
+    str gpu "$gpu"; str compute_cap "$cap"; str cuda_arch "$ARCH"; str driver "$drv"
+    str nvcc "$NVCC"; str nvcc_version "$(q "$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+    str cmake_version "$(q cmake --version | head -1 | awk '{print $3}')"; str ninja "$(q ninja --version)"
+    str cxx "$(q g++ --version | head -1)"; str python "$(q "$PYTHON" -c 'import sys, numpy; print(sys.executable, sys.version.split()[0], "numpy", numpy.__version__)')"
+    str cublas "$cub"; str driver_library "$drvlib"; num jobs "$JOBS"; num nproc "$(nproc)"
+    num gpu_memory_mib "$(q nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)"
+    [ -n "$gpu" ] || note "nvidia-smi found no GPU"
+    finish 0
+}
+
+stage_unpack() {
+    begin unpack env.log || return
+    if [ $DRY = 0 ] && cmp -s "$HERE/SERIES" "$WORK/SERIES" && [ -f "$SRC/CMakeLists.txt" ]; then
+        note "sources of this bundle already unpacked"; finish 0; return
+    fi
+    # new sources: the builds go too (the tarball's file times may be older than objects built from other sources)
+    run env.log rm -rf "$SRC" "$WORK/SERIES" "$BUILD" "$WORK/build-ops"
+    run env.log mkdir -p "$SRC"
+    run env.log tar xzf "$HERE/llama-trimmed.tar.gz" -C "$SRC"
+    local rc=$?
+    [ $rc = 0 ] && [ $DRY = 0 ] && cp "$HERE/SERIES" "$WORK/SERIES"
+    finish $rc
+}
+
+stage_model() {  # background: the model writer (numpy, the bundle's copy of gguf and sparq_cpp)
+    begin model model.log || return
+    if [ $DRY = 0 ] && [ -f "$MODEL" ]; then note "model already written: $MODEL"; finish 0; return; fi
+    if [ $DRY = 0 ] && [ ! -f "$SRC/sparq/write_model.py" ]; then skip "no model writer (unpack failed)"; return; fi
+    bg_run model.log "$PYTHON" "$SRC/sparq/write_model.py" "$MODEL" "$E2E_LAYERS"
+}
+
+stage_configure() {
+    begin configure configure.log || return
+    if [ $DRY = 0 ] && [ ! -f "$SRC/CMakeLists.txt" ]; then skip "no sources (unpack failed)"; return; fi
+    local common=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DGGML_CUDA=ON
+        "-DCMAKE_CUDA_ARCHITECTURES=$ARCH" "-DCMAKE_CUDA_COMPILER=$NVCC" -DGGML_CUDA_GRAPHS=ON
+        -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16,q8_0-q8_0 -DGGML_CUDA_NCCL=OFF
+        "${CUBLAS_ARGS[@]}" "${VMM_ARGS[@]}")
+    run configure.log cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" "${common[@]}" -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TESTS=ON \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
+    local rc=$?
+    str tree "llama.cpp (ggml, libllama, common, test-backend-ops, sparq-op-bench, llama-bench)"
+    if [ $rc != 0 ] || [ $DRY = 1 ]; then
+        # ggml and test-backend-ops alone (the bundle's sparq-ops/CMakeLists.txt), without the VMM pool
+        [ $DRY = 1 ] && echo "      (if that fails:)" || { note "the whole tree did not configure (rc $rc): ggml and test-backend-ops only, GGML_CUDA_NO_VMM=ON"; BUILD="$WORK/build-ops"; BIN="$BUILD/bin"; E2E_OK=0; }
+        local ops=() a
+        for a in "${common[@]}"; do [[ "$a" == -DCUDA_cuda_driver_LIBRARY=* || "$a" == -DGGML_CUDA_NO_VMM* || "$a" == "<-D"* ]] || ops+=("$a"); done
+        run configure.log cmake -S "$SRC/sparq-ops" -B "$WORK/build-ops" "${GEN[@]}" "${ops[@]}" -DGGML_CUDA_NO_VMM=ON
+        local rc2=$?
+        [ $DRY = 1 ] || { rc=$rc2; ST_NUMS[configure]=""; str tree "ggml, test-backend-ops, sparq-op-bench (sparq-ops)"; }
+    fi
+    finish $rc
+}
+E2E_OK=1
+
+stage_build() {
+    begin build build.log || return
+    if [ $DRY = 0 ] && [ ! -f "$BUILD/CMakeCache.txt" ]; then skip "not configured"; return; fi
+    run build.log cmake --build "$BUILD" --target test-backend-ops -j "$JOBS"
+    local rc=$?
+    run build.log cmake --build "$BUILD" --target sparq-op-bench -j "$JOBS"  # one file more, after the one that matters
+    [ $DRY = 1 ] || { num objects_built "$(grep -cE '^\[[0-9]+/[0-9]+\] ' "$LOGS/build.log")"
+                      str test_backend_ops "$([ -x "$BIN/test-backend-ops" ] && echo built || echo missing)"
+                      str sparq_op_bench "$([ -x "$BIN/sparq-op-bench" ] && echo built || echo missing)"; }
+    finish $rc
+}
+
+stage_test() {
+    begin test test.log || return
+    if [ $DRY = 0 ] && [ ! -x "$BIN/test-backend-ops" ]; then skip "test-backend-ops not built"; return; fi
+    run test.log env "$(RUN_LD)" "$BIN/test-backend-ops" test -o SPARSE_ATTN -b CUDA0
+    local rc=$?
+    if [ $DRY = 0 ]; then
+        local line; line=$(grep -oE '[0-9]+/[0-9]+ tests passed' "$LOGS/test.log" | tail -1)
+        num passed "${line%%/*}"; line=${line#*/}; num total "${line%% *}"
+        num failed "$(grep -cE '^ +[A-Z_]+\(.*FAIL' "$LOGS/test.log")"; num not_supported "$(grep -c 'not supported' "$LOGS/test.log")"
+    fi
+    finish $rc
+}
+
+perf_cases() {  # perf_cases FILE: the timed cases of a test-backend-ops perf log as a JSON list
+    local out="" line name us gbs
+    while IFS= read -r line; do
+        name=$(sed -E 's/^ *([A-Z_]+\([^)]*\)):.*/\1/' <<< "$line")
+        us=$(sed -nE 's/.* ([0-9.]+) us\/run.*/\1/p' <<< "$line")
+        gbs=$(sed -nE 's/.* ([0-9.]+) GB\/s.*/\1/p' <<< "$line")
+        out+="${out:+, }{\"case\": $(jstr "$name"), \"us_per_run\": $(jnum "$us"), \"gb_s\": $(jnum "$gbs")}"
+    done < <(grep -E 'us/run' "$1" 2>/dev/null)
+    echo "[$out]"
+}
+
+layered_cases() {  # layered_cases FILE: sparq-op-bench's lines as a JSON list, SparQ's speed-up over flash attention
+    local out="" line key op us gbs
+    declare -A flash=()
+    while IFS= read -r line; do
+        key=$(sed -nE 's/^op=flash (type=[^ ]+ nh=[0-9]+ kv=[0-9]+).*us_per_layer=([0-9.]+).*/\1 \2/p' <<< "$line")
+        [ -n "$key" ] && flash[${key% *}]=${key##* }
+    done < <(grep -E '^op=flash .*us_per_layer=' "$1" 2>/dev/null)
+    while IFS= read -r line; do
+        op=$(sed -nE 's/^op=([a-z]+) .*/\1/p' <<< "$line")
+        key=$(sed -nE 's/^op=[a-z]+ (type=[^ ]+ nh=[0-9]+ kv=[0-9]+).*/\1/p' <<< "$line")
+        us=$(sed -nE 's/.*us_per_layer=([0-9.]+).*/\1/p' <<< "$line")
+        gbs=$(sed -nE 's/.*gb_s=([0-9.]+).*/\1/p' <<< "$line")
+        local sp=""
+        [ "$op" = sparq ] && [ -n "${flash[$key]:-}" ] && sp=$(awk -v a="${flash[$key]}" -v b="$us" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", a / b }')
+        out+="${out:+, }{\"op\": $(jstr "$op"), \"case\": $(jstr "$key"), \"us_per_layer\": $(jnum "$us"), \"gb_s\": $(jnum "$gbs")$([ "$op" = sparq ] && echo ", \"speedup_over_flash\": $(jnum "$sp")")}"
+    done < <(grep -E '^op=[a-z]+ .*us_per_layer=' "$1" 2>/dev/null)
+    echo "[$out]"
+}
+
+stage_opbench() {
+    begin opbench bench.log || return
+    if [ $DRY = 0 ] && [ ! -x "$BIN/test-backend-ops" ]; then skip "test-backend-ops not built"; return; fi
+    # SparQ and Loki at the decode shapes (4k-32k cells; each case repeats the op on one set of tensors, so the parts
+    # of the cache that fit in L2 stay there), then flash attention there
+    run_to "$WORK/perf-sparse.txt" bench.log env "$(RUN_LD)" "$BIN/test-backend-ops" perf -o SPARSE_ATTN -b CUDA0
+    local rc1=$?
+    run_to "$WORK/perf-fa.txt" bench.log env "$(RUN_LD)" "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -b CUDA0 \
+        -p 'hsk=128,hsv=128,nh=(32|8),nr23=\[(1|4),1\],kv=(4096|16384|32768),nb=1,'
+    local rc2=$?
+    [ $DRY = 1 ] || { raw sparse_attn "$(perf_cases "$WORK/perf-sparse.txt")"; raw flash_attn "$(perf_cases "$WORK/perf-fa.txt")"; }
+    # the same shapes over many layers' caches (SparQ reads 256 MiB per pass, more than L2 holds), beside flash attention
+    local rc3=0
+    if [ $DRY = 1 ] || [ -x "$BIN/sparq-op-bench" ]; then
+        run_to "$WORK/op-bench.txt" bench.log env "$(RUN_LD)" "$BIN/sparq-op-bench" -b CUDA0 -r 20
+        rc3=$?
+        [ $DRY = 1 ] || raw layered "$(layered_cases "$WORK/op-bench.txt")"
+    else
+        note "sparq-op-bench not built"
+    fi
+    finish $(( rc1 != 0 ? rc1 : rc2 != 0 ? rc2 : rc3 ))
+}
+
+stage_bandwidth() {
+    begin bandwidth bench.log || return
+    if [ $DRY = 0 ] && [ ! -f "$SRC/sparq/bw.cu" ]; then skip "no sources"; return; fi
+    run bench.log "$NVCC" -O2 "-arch=sm_$ARCH" -o "$WORK/sparq-bw" "$SRC/sparq/bw.cu"
+    local rc=$?
+    run_to "$WORK/bw.txt" bench.log "$WORK/sparq-bw" 1024 20
+    rc=$(( rc != 0 ? rc : $? ))
+    [ $DRY = 1 ] || { num copy_gb_s "$(sed -nE 's/^copy_gb_s ([0-9.]+).*/\1/p' "$WORK/bw.txt" 2>/dev/null)"
+                      num kernel_copy_gb_s "$(sed -nE 's/^kernel_copy_gb_s ([0-9.]+).*/\1/p' "$WORK/bw.txt" 2>/dev/null)"
+                      str device "$(sed -n 's/^device //p' "$WORK/bw.txt" 2>/dev/null)"; }
+    finish $rc
+}
+
+stage_build_e2e() {  # background, niced, beside test/opbench/bandwidth (which use the GPU)
+    begin build-e2e build.log || return
+    note "runs beside test, opbench and bandwidth at nice 19 with 2 cores left free"
+    if [ $DRY = 0 ] && { [ $E2E_OK = 0 ] || [ ! -f "$BUILD/CMakeCache.txt" ]; }; then skip "the tree with libllama did not configure"; return; fi
+    local j=$(( JOBS > 4 ? JOBS - 2 : JOBS ))
+    bg_run build.log nice -n 19 cmake --build "$BUILD" --target llama-bench -j "$j"
+}
+
+wait_bg() {  # wait_bg STAGE: the background stage's result
+    local s=$1 pid=${ST_PID[$1]:-} rc
+    [ -n "$pid" ] || return 0
+    wait "$pid"
+    rc=$(cat "$WORK/.$s.rc" 2>/dev/null || echo 1)
+    local keep=$STAGE; STAGE=$s
+    ST_RC[$s]=$rc; ST_STATUS[$s]=$(status_of "$rc"); ST_SECS[$s]=$(( $(stat -c %Y "$WORK/.$s.rc" 2>/dev/null || date +%s) - T0 - ST_START[$s] ))
+    [ $s = build-e2e ] && str llama_bench "$([ -x "$BIN/llama-bench" ] && echo built || echo missing)"
+    [ $s = model ] && { str model "$MODEL"; num bytes "$(stat -c %s "$MODEL" 2>/dev/null)"; }
+    echo "== $s (background): ${ST_STATUS[$s]} (rc $rc, ${ST_SECS[$s]}s)"
+    STAGE=$keep
+    ST_PID[$s]=""
+    write_summary
+}
+
+stage_e2e() {
+    begin e2e e2e.log || return
+    [ $DRY = 1 ] && echo "      (waits for model and build-e2e)"
+    [ $DRY = 1 ] || { wait_bg model; wait_bg build-e2e; STAGE=e2e; }
+    if [ $DRY = 0 ]; then
+        [ -x "$BIN/llama-bench" ] || { skip "llama-bench not built"; return; }
+        [ -f "$MODEL" ] || { skip "no model"; return; }
+    fi
+    local d rc=0 r dense sparse depths="" dl="" sl="" su=""
+    # per depth, dense then sparse, so that a deadline cuts the last pairs only
+    for d in ${E2E_DEPTHS//,/ }; do
+        run_to "$WORK/e2e-dense-$d.jsonl" e2e.log env "$(RUN_LD)" "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 32 -r 3 -d "$d" -o jsonl
+        r=$?; [ $r != 0 ] && rc=$r
+        run_to "$WORK/e2e-sparse-$d.jsonl" e2e.log env "$(RUN_LD)" "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 32 -r 3 -d "$d" -o jsonl --sparse-attn "$E2E_SPARSE"
+        r=$?; [ $r != 0 ] && rc=$r
+        [ $DRY = 1 ] && continue
+        dense=$(sed -nE 's/.*"avg_ts": *([0-9.eE+-]+).*/\1/p' "$WORK/e2e-dense-$d.jsonl" 2>/dev/null | head -1)
+        sparse=$(sed -nE 's/.*"avg_ts": *([0-9.eE+-]+).*/\1/p' "$WORK/e2e-sparse-$d.jsonl" 2>/dev/null | head -1)
+        depths+="${depths:+, }$d"; dl+="${dl:+, }\"$d\": $(jnum "$dense")"; sl+="${sl:+, }\"$d\": $(jnum "$sparse")"
+        su+="${su:+, }\"$d\": $(jnum "$(awk -v a="$dense" -v b="$sparse" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / a }')")"
+        ST_NUMS[e2e]=""; str sparse_attn "$E2E_SPARSE"; str model "$MODEL"; raw depths "[$depths]"
+        raw dense_tg_ts "{$dl}"; raw sparse_tg_ts "{$sl}"; raw speedup "{$su}"; write_summary
+    done
+    finish $rc
+}
+
+echo "sparq-cpp GPU check: budget ${BUDGET}s, logs in $LOGS$([ $DRY = 1 ] && echo ', dry run: nothing is executed')"
+write_summary
+for s in "${ALL_STAGES[@]}"; do
+    selected "$s" || continue
+    case $s in
+        env) stage_env ;; unpack) stage_unpack ;; model) stage_model ;; configure) stage_configure ;;
+        build) stage_build ;; build-e2e) stage_build_e2e ;; test) stage_test ;; opbench) stage_opbench ;;
+        bandwidth) stage_bandwidth ;; e2e) stage_e2e ;;
+    esac
+done
+[ $DRY = 1 ] || { wait_bg model; wait_bg build-e2e; }
+write_summary
+echo "summary: $LOGS/summary.json ($(elapsed)s of ${BUDGET}s)"
 """
 
 
-def _installed_tree() -> Path | None:
+def installed_tree() -> Path | None:
     try:
         from sparq_cpp.pyext.build import installed_build
     except ImportError:
@@ -122,55 +977,119 @@ def _installed_tree() -> Path | None:
     return None
 
 
-def _keep(path: Path, tree: Path) -> bool:
-    rel = path.relative_to(tree)
+def _keep(rel: Path, is_dir: bool) -> bool:
+    """Whether a path of the patched tree (relative to it, inside TREE_PARTS) goes into the bundle."""
     parts = rel.parts
-    if parts[0] == "ggml":
-        if len(parts) >= 3 and parts[1] == "src" and (path.is_dir() or len(parts) > 3):
-            return parts[2] in GGML_SRC_DIRS
-        return True
-    return rel.as_posix() == "tests/test-backend-ops.cpp"
+    if "__pycache__" in parts or ".git" in parts:
+        return False
+    if parts[:2] == ("ggml", "src") and len(parts) >= 3 and (is_dir or len(parts) > 3):
+        return parts[2] in GGML_SRC_DIRS
+    return True
 
 
-def make_bundle(tree: Path, out: Path) -> Path:
-    if not (tree / "ggml" / "src" / "ggml-cuda" / "sparse-attn.cu").is_file():
-        raise click.ClickException(f"{tree} has no ggml/src/ggml-cuda/sparse-attn.cu: the series has no CUDA kernel yet")
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    with tarfile.open(out / "llama-trimmed.tar.gz", "w:gz") as tar:
-        for top in ("ggml", "tests/test-backend-ops.cpp"):
-            def filt(info: tarfile.TarInfo, top=top):
-                p = tree / info.name
-                return info if _keep(p, tree) else None
-            tar.add(tree / top, arcname=top, filter=filt)
-        data = CMAKELISTS.encode()
-        info = tarfile.TarInfo("CMakeLists.txt")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
+def _python_files(root: Path, skip: tuple[str, ...] = ()) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                  and p.suffix in (".py", ".typed") and not any(s in p.relative_to(root).parts for s in skip))
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = mode
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_run_sh(out: Path) -> Path:
+    """run.sh alone (the dry run needs nothing else)."""
+    out.mkdir(parents=True, exist_ok=True)
     run = out / "run.sh"
     run.write_text(RUN_SH)
     run.chmod(0o755)
+    return run
+
+
+def make_bundle(tree: Path, out: Path, package: Path | None = None, gguf_dir: Path | None = None) -> Path:
+    """Write the bundle for the patched tree into out (replaced). package: the sparq_cpp folder to carry (default
+    this checkout's), gguf_dir: the gguf package's (default the installed one)."""
+    if not (tree / "ggml" / "src" / "ggml-cuda" / "sparse-attn.cu").is_file():
+        raise click.ClickException(f"{tree} has no ggml/src/ggml-cuda/sparse-attn.cu: the series has no CUDA kernel yet")
+    missing = [p for p in TREE_PARTS if not (tree / p).exists()]
+    if missing:
+        raise click.ClickException(f"{tree} lacks {', '.join(missing)}")
+    package = package or REPO_ROOT / "sparq_cpp"
+    gguf_dir = gguf_dir or Path(gguf.__file__).parent
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    # gzip's header without a time: the same files give the same digest, and a second run on the same machine
+    # keeps its build (run.sh's unpack stage compares SERIES)
+    with open(out / "llama-trimmed.tar.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w") as tar:
+        for part in TREE_PARTS:
+            def filt(info: tarfile.TarInfo):
+                return info if _keep(Path(info.name), info.isdir()) else None
+            tar.add(tree / part, arcname=part, filter=filt)
+        for name, text in (("tests/CMakeLists.txt", TESTS_CMAKELISTS), ("tools/CMakeLists.txt", TOOLS_CMAKELISTS),
+                           ("vendor/CMakeLists.txt", VENDOR_CMAKELISTS), ("sparq-ops/CMakeLists.txt", OPS_CMAKELISTS),
+                           ("sparq/bw.cu", BW_CU), ("sparq/op-bench.cpp", OP_BENCH_CPP),
+                           ("sparq/write_model.py", WRITE_MODEL_PY)):
+            _add_bytes(tar, name, text.encode())
+        for root, arc, skip in ((package, "sparq/py/sparq_cpp", ()), (gguf_dir, "sparq/py/gguf", ("scripts",))):
+            for f in _python_files(root, skip):
+                tar.add(f, arcname=f"{arc}/{f.relative_to(root).as_posix()}")
+    write_run_sh(out)
     digest = hashlib.sha256((out / "llama-trimmed.tar.gz").read_bytes()).hexdigest()
-    (out / "SERIES").write_text(f"series_hash {series_hash()}\ntree_tar_sha256 {digest}\n" + "".join(p.name + "\n" for p in series()))
+    (out / "SERIES").write_text(f"series_hash {series_hash()}\ntree_tar_sha256 {digest}\n"
+                                + "".join(p.name + "\n" for p in series()))
     return out
+
+
+def bundle_size(out: Path) -> int:
+    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+
+
+def dry_run(bundle: Path, budget: int = DEFAULT_BUDGET, worst: bool = False, env: dict | None = None) -> dict:
+    """run.sh --dry-run of the bundle: the summary it writes (every stage "planned" or "skipped", its limit and
+    commands), with the printed plan as "printed". Runs nothing; needs no GPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        e = {**os.environ, **(env or {}), "OUT": tmp}
+        e.setdefault("GPU_CHECK_WORK", str(Path(tmp) / "work"))
+        proc = subprocess.run(["bash", str(bundle / "run.sh"), "--dry-run=worst" if worst else "--dry-run",
+                               "--budget", str(budget)], capture_output=True, text=True, env=e, timeout=60)
+        if proc.returncode != 0:
+            raise click.ClickException(f"run.sh --dry-run failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    summary["printed"] = proc.stdout
+    return summary
 
 
 @click.command()
 @click.option("--tree", type=click.Path(file_okay=False, path_type=Path), help="A patched llama.cpp tree (make tree).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
-def main(tree: Path | None, out: Path):
+@click.option("--dry-run", "dry", is_flag=True, help="Then print run.sh's plan (nothing runs, no GPU needed).")
+@click.option("--budget", type=int, default=DEFAULT_BUDGET, show_default=True, help="Seconds, for --dry-run.")
+def main(tree: Path | None, out: Path, dry: bool, budget: int):
     """Write the GPU check bundle (see the module's docstring)."""
     with tempfile.TemporaryDirectory() as tmp:
         if tree is None:
-            tree = _installed_tree()
+            tree = installed_tree()
         if tree is None:
             top = unpack_sdist(fetch_sdist(log=lambda *_: None), Path(tmp) / "sdist")
             tree = top / "vendor" / "llama.cpp"
             patch_tree(tree)
         make_bundle(tree, out)
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    click.echo(f"{out}: {size/2**20:.1f} MiB; on the GPU machine: {out.name}/run.sh build && {out.name}/run.sh test && {out.name}/run.sh bench")
+    size = bundle_size(out)
+    if size > TREE_LIMIT // 2:
+        click.echo(f"warning: the bundle is {size / 2**20:.1f} MiB; with the working tree it must stay under "
+                   f"{TREE_LIMIT // 2**20} MiB to travel to the device", err=True)
+    if dry:
+        click.echo(dry_run(out, budget)["printed"], nl=False)
+    try:
+        shown = out.relative_to(Path.cwd())
+    except ValueError:
+        shown = out
+    click.echo(f"{out}: {size / 2**20:.1f} MiB. On the GPU machine (one command, {DEFAULT_BUDGET} s by default): "
+               f"OUT=<dir> {shown}/run.sh   (carry {shown}; `run.sh --help`)")
 
 
 if __name__ == "__main__":
