@@ -59,7 +59,10 @@ GGML_SRC_DIRS = ("ggml-cpu", "ggml-cuda")
 # the parts of the patched tree the bundle carries (folders whole, except ggml/src's other backends)
 TREE_PARTS = ("CMakeLists.txt", "LICENSE", "cmake", "include", "src", "common", "ggml", "tools/llama-bench",
               "tests/test-backend-ops.cpp", "vendor/nlohmann", "vendor/sheredom", "vendor/cpp-httplib")
-STAGES = ("env", "unpack", "model", "configure", "build", "build-e2e", "test", "opbench", "bandwidth", "e2e")
+# sparq_cpp.calib's modules the model writer needs (the Loki projection), and the package's __init__ in the bundle
+CALIB_FILES = ("pca.py", "projection.py")
+CALIB_INIT = '''"""Loki projection writing (the bundle's copy of sparq_cpp.calib: pca and projection only)."""\n'''
+STAGES = ("env", "unpack", "model", "configure", "build", "build-e2e", "test", "opbench", "bandwidth", "e2e", "profile")
 BACKGROUND_STAGES = ("model", "build-e2e")
 
 # CMake lists that replace the upstream ones of the folders the bundle trims
@@ -422,12 +425,14 @@ int main(int argc, char ** argv) {
 """
 
 WRITE_MODEL_PY = '''\
-"""Writes the GPU check's model: an n-layer q8_0 GGUF of a sparq_cpp.modelfactory preset (default: 8 layers of
+\"\"\"Writes the GPU check's model: an n-layer q8_0 GGUF of a sparq_cpp.modelfactory preset (default: 8 layers of
 llama2-7b), seed 0, with the bundle's copies of sparq_cpp and gguf (py/ beside this file); numpy, tqdm, pyyaml and
-requests come from the Python that runs it. Prints one JSON line.
+requests come from the Python that runs it. --loki also writes <model stem>.loki.gguf, a Loki projection for timing:
+per layer and KV head, the basis that orders the key dimensions by the factory's per-row scale of attn_k (largest
+first; rotary pairs stay together), for both variants. Prints one JSON line.
 
-    python3 write_model.py OUT.gguf [LAYERS] [PRESET]
-"""
+    python3 write_model.py OUT.gguf [LAYERS] [PRESET] [--loki]
+\"\"\"
 import json
 import sys
 import time
@@ -435,18 +440,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "py"))
 
-from sparq_cpp.modelfactory import write_model  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sparq_cpp.modelfactory import qk_row_std, resolve_geometry, write_model  # noqa: E402
+
+
+def write_loki(model: Path, preset: str, layers: int, seed: int = 0) -> Path:
+    from sparq_cpp.calib.pca import LokiPCA
+    from sparq_cpp.calib.projection import write_projection
+
+    g = resolve_geometry(preset, layers=layers, wtype="q8_0")
+    D, H, L = g.head_dim, g.n_head_kv, g.n_layer
+    P = np.zeros((L, H, D, D))
+    var = np.zeros((L, H, D))
+    for il in range(L):
+        std = qk_row_std(g, seed, il, H).reshape(H, D)
+        for h in range(H):
+            order = np.argsort(-std[h], kind="stable")
+            P[il, h, order, np.arange(D)] = 1.0
+            var[il, h] = std[h][order] ** 2
+    pca = LokiPCA(components={"pre": P, "post": P}, explained_variance={"pre": var, "post": var}, n_tokens=1)
+    return write_projection(model.parent / (model.stem + ".loki.gguf"), pca, model, ctx_size=g.n_ctx_train)
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    layers = int(sys.argv[2]) if len(sys.argv) > 2 else 8
-    preset = sys.argv[3] if len(sys.argv) > 3 else "llama2-7b"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = Path(args[0])
+    layers = int(args[1]) if len(args) > 1 else 8
+    preset = args[2] if len(args) > 2 else "llama2-7b"
     t0 = time.time()
     path = write_model(out, preset, layers=layers, wtype="q8_0", seed=0, make_parents=True)
-    print(json.dumps({"model": str(path), "bytes": path.stat().st_size, "seconds": round(time.time() - t0, 1),
-                      "preset": preset, "layers": layers,
-                      "modules": {m: sys.modules[m].__file__ for m in ("gguf", "sparq_cpp", "numpy")}}))
+    info = {"model": str(path), "bytes": path.stat().st_size, "seconds": round(time.time() - t0, 1),
+            "preset": preset, "layers": layers}
+    if "--loki" in sys.argv[1:]:
+        info["loki"] = str(write_loki(path, preset, layers))
+    info["modules"] = {m: sys.modules[m].__file__ for m in ("gguf", "sparq_cpp", "numpy")}
+    print(json.dumps(info))
 
 
 if __name__ == "__main__":
@@ -460,7 +489,7 @@ RUN_SH = r"""#!/usr/bin/env bash
 #
 #   run.sh [--dry-run] [--budget SECONDS] [STAGE ...]
 #
-# Stages, in order (default: all): env unpack model configure build build-e2e test opbench bandwidth e2e.
+# Stages, in order (default: all): env unpack model configure build build-e2e test opbench bandwidth e2e profile.
 # `model` (the model writer) and `build-e2e` (libllama, common, llama-bench) run in the background beside the stages
 # after them; e2e waits for both. The whole run has one deadline, --budget seconds from the start (default 570,
 # GPU_CHECK_BUDGET): each stage's time limit is min(its own maximum, what is left minus what the stages after it
@@ -475,14 +504,14 @@ RUN_SH = r"""#!/usr/bin/env bash
 # capability from nvidia-smi), GPU_CHECK_LIMITS ("stage=max[:reserve[:minimum]],..." seconds), CUBLAS_ROOT (a
 # folder holding cublas_v2.h, libcublas.so* and libcublasLt.so*; else the toolkit's cuBLAS, else an nvidia cuBLAS
 # wheel in python3's site-packages, as PyTorch installs one), JOBS (build jobs, default nproc), PYTHON (default python3), GPU_CHECK_WORK (sources, build and
-# model; default <bundle>-work, kept between runs), E2E_DEPTHS, E2E_SPARSE, E2E_LAYERS.
+# model; default <bundle>-work, kept between runs), E2E_DEPTHS, E2E_SPARSE, E2E_LOKI, E2E_LOKI_DEPTHS, E2E_LAYERS.
 set -u -o pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 DRY=0
 WORST=0
 BUDGET="${GPU_CHECK_BUDGET:-570}"
-ALL_STAGES=(env unpack model configure build build-e2e test opbench bandwidth e2e)
+ALL_STAGES=(env unpack model configure build build-e2e test opbench bandwidth e2e profile)
 SELECTED=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -507,8 +536,11 @@ PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 16)}"
 E2E_LAYERS="${E2E_LAYERS:-8}"
 MODEL="$WORK/llama2-7b-L${E2E_LAYERS}.q8_0.gguf"
+PROJ="${MODEL%.gguf}.loki.gguf"
 E2E_DEPTHS="${E2E_DEPTHS:-32768,4096,16384,65536,8192}"  # 32k first: the depth the targets name
 E2E_SPARSE="${E2E_SPARSE:-sparq:r=16,k=128}"
+E2E_LOKI="${E2E_LOKI:-loki:d=32,k=128}"          # through LLAMA_SPARSE_ATTN, with proj= the model writer's projection
+E2E_LOKI_DEPTHS="${E2E_LOKI_DEPTHS:-32768}"
 mkdir -p "$LOGS"
 [ $DRY = 1 ] || mkdir -p "$WORK"
 
@@ -518,11 +550,11 @@ VCLOCK=0   # the dry run's clock: each planned stage takes its typical time (--d
 elapsed() { if [ $DRY = 1 ]; then echo $VCLOCK; else echo $(( $(date +%s) - T0 )); fi; }
 
 # stage: maximum seconds, seconds kept back for the stages after it, minimum worth starting; bg: background
-declare -A MAX=( [env]=30 [unpack]=60 [model]=300 [configure]=120 [build]=480 [test]=120 [opbench]=180 [bandwidth]=45 [build-e2e]=300 [e2e]=600 )
-declare -A RESERVE=( [env]=0 [unpack]=0 [model]=20 [configure]=0 [build]=160 [test]=100 [opbench]=50 [bandwidth]=30 [build-e2e]=30 [e2e]=5 )
-declare -A MINIMUM=( [env]=5 [unpack]=5 [model]=30 [configure]=10 [build]=60 [test]=15 [opbench]=15 [bandwidth]=5 [build-e2e]=20 [e2e]=20 )
+declare -A MAX=( [env]=30 [unpack]=60 [model]=300 [configure]=120 [build]=480 [test]=120 [opbench]=180 [bandwidth]=45 [build-e2e]=300 [e2e]=600 [profile]=120 )
+declare -A RESERVE=( [env]=0 [unpack]=0 [model]=20 [configure]=0 [build]=160 [test]=100 [opbench]=50 [bandwidth]=30 [build-e2e]=30 [e2e]=5 [profile]=0 )
+declare -A MINIMUM=( [env]=5 [unpack]=5 [model]=30 [configure]=10 [build]=60 [test]=15 [opbench]=15 [bandwidth]=5 [build-e2e]=20 [e2e]=20 [profile]=30 )
 # typical seconds on a 16-core H100 machine, for the dry run's clock (--dry-run=worst: each stage its whole limit)
-declare -A EXPECT=( [env]=5 [unpack]=3 [model]=90 [configure]=30 [build]=300 [test]=40 [opbench]=90 [bandwidth]=10 [build-e2e]=150 [e2e]=120 )
+declare -A EXPECT=( [env]=5 [unpack]=3 [model]=90 [configure]=30 [build]=300 [test]=40 [opbench]=90 [bandwidth]=10 [build-e2e]=150 [e2e]=120 [profile]=60 )
 declare -A BG=( [model]=1 [build-e2e]=1 )
 # GPU_CHECK_LIMITS="stage=max[:reserve[:minimum]],...": other limits
 for spec in ${GPU_CHECK_LIMITS:+${GPU_CHECK_LIMITS//,/ }}; do
@@ -777,9 +809,9 @@ stage_unpack() {
 
 stage_model() {  # background: the model writer (numpy, the bundle's copy of gguf and sparq_cpp)
     begin model model.log || return
-    if [ $DRY = 0 ] && [ -f "$MODEL" ]; then note "model already written: $MODEL"; finish 0; return; fi
+    if [ $DRY = 0 ] && [ -f "$MODEL" ] && [ -f "$PROJ" ]; then note "model already written: $MODEL"; finish 0; return; fi
     if [ $DRY = 0 ] && [ ! -f "$SRC/sparq/write_model.py" ]; then skip "no model writer (unpack failed)"; return; fi
-    bg_run model.log "$PYTHON" "$SRC/sparq/write_model.py" "$MODEL" "$E2E_LAYERS"
+    bg_run model.log "$PYTHON" "$SRC/sparq/write_model.py" "$MODEL" "$E2E_LAYERS" --loki
 }
 
 stage_configure() {
@@ -928,22 +960,44 @@ stage_e2e() {
         [ -x "$BIN/llama-bench" ] || { skip "llama-bench not built"; return; }
         [ -f "$MODEL" ] || { skip "no model"; return; }
     fi
-    local d rc=0 r dense sparse depths="" dl="" sl="" su=""
+    local d rc=0 r dense sparse loki depths="" dl="" sl="" su="" ll="" lu=""
     # per depth, dense then sparse, so that a deadline cuts the last pairs only
     for d in ${E2E_DEPTHS//,/ }; do
         run_to "$WORK/e2e-dense-$d.jsonl" e2e.log env "$(RUN_LD)" "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 32 -r 3 -d "$d" -o jsonl
         r=$?; [ $r != 0 ] && rc=$r
         run_to "$WORK/e2e-sparse-$d.jsonl" e2e.log env "$(RUN_LD)" "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 32 -r 3 -d "$d" -o jsonl --sparse-attn "$E2E_SPARSE"
         r=$?; [ $r != 0 ] && rc=$r
+        if [[ ",$E2E_LOKI_DEPTHS," == *",$d,"* ]] && { [ $DRY = 1 ] || [ -f "$PROJ" ]; }; then
+            run_to "$WORK/e2e-loki-$d.jsonl" e2e.log env "$(RUN_LD)" "LLAMA_SPARSE_ATTN=$E2E_LOKI,proj=$PROJ" "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 32 -r 3 -d "$d" -o jsonl
+            r=$?; [ $r != 0 ] && rc=$r
+        fi
         [ $DRY = 1 ] && continue
+        loki=$(sed -nE 's/.*"avg_ts": *([0-9.eE+-]+).*/\1/p' "$WORK/e2e-loki-$d.jsonl" 2>/dev/null | head -1)
+        [ -n "$loki" ] && { ll+="${ll:+, }\"$d\": $(jnum "$loki")"
+            lu+="${lu:+, }\"$d\": $(jnum "$(awk -v a="$(sed -nE 's/.*"avg_ts": *([0-9.eE+-]+).*/\1/p' "$WORK/e2e-dense-$d.jsonl" 2>/dev/null | head -1)" -v b="$loki" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / a }')")"; }
         dense=$(sed -nE 's/.*"avg_ts": *([0-9.eE+-]+).*/\1/p' "$WORK/e2e-dense-$d.jsonl" 2>/dev/null | head -1)
         sparse=$(sed -nE 's/.*"avg_ts": *([0-9.eE+-]+).*/\1/p' "$WORK/e2e-sparse-$d.jsonl" 2>/dev/null | head -1)
         depths+="${depths:+, }$d"; dl+="${dl:+, }\"$d\": $(jnum "$dense")"; sl+="${sl:+, }\"$d\": $(jnum "$sparse")"
         su+="${su:+, }\"$d\": $(jnum "$(awk -v a="$dense" -v b="$sparse" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / a }')")"
         ST_NUMS[e2e]=""; str sparse_attn "$E2E_SPARSE"; str model "$MODEL"; raw depths "[$depths]"
-        raw dense_tg_ts "{$dl}"; raw sparse_tg_ts "{$sl}"; raw speedup "{$su}"; write_summary
+        raw dense_tg_ts "{$dl}"; raw sparse_tg_ts "{$sl}"; raw speedup "{$su}"
+        [ -n "$ll" ] && { str loki "$E2E_LOKI"; raw loki_tg_ts "{$ll}"; raw loki_speedup "{$lu}"; }
+        write_summary
     done
     finish $rc
+}
+
+stage_profile() {  # what time e2e leaves: Nsight Compute's per-kernel summary of both ops at 32k (one layer, f16 and q8_0)
+    begin profile bench.log || return
+    local ncu="<ncu>"
+    if [ $DRY = 0 ]; then
+        ncu=$(command -v ncu || ls -d /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+        [ -n "$ncu" ] && [ -x "$ncu" ] || { skip "ncu not found"; return; }
+        [ -x "$BIN/sparq-op-bench" ] || { skip "sparq-op-bench not built"; return; }
+    fi
+    run_to "$WORK/ncu.txt" bench.log env "$(RUN_LD)" "$ncu" --clock-control none --print-summary per-kernel --section SpeedOfLight --launch-count 200 \
+        -k 'regex:sparse_attn|flash_attn' "$BIN/sparq-op-bench" -b CUDA0 --types f16,q8_0 --nh 8,32 --kv 32768 -l 1 -r 1
+    finish $?
 }
 
 echo "sparq-cpp GPU check: budget ${BUDGET}s, logs in $LOGS$([ $DRY = 1 ] && echo ', dry run: nothing is executed')"
@@ -953,7 +1007,7 @@ for s in "${ALL_STAGES[@]}"; do
     case $s in
         env) stage_env ;; unpack) stage_unpack ;; model) stage_model ;; configure) stage_configure ;;
         build) stage_build ;; build-e2e) stage_build_e2e ;; test) stage_test ;; opbench) stage_opbench ;;
-        bandwidth) stage_bandwidth ;; e2e) stage_e2e ;;
+        bandwidth) stage_bandwidth ;; e2e) stage_e2e ;; profile) stage_profile ;;
     esac
 done
 [ $DRY = 1 ] || { wait_bg model; wait_bg build-e2e; }
@@ -1008,9 +1062,11 @@ def write_run_sh(out: Path) -> Path:
     return run
 
 
-def make_bundle(tree: Path, out: Path, package: Path | None = None, gguf_dir: Path | None = None) -> Path:
+def make_bundle(tree: Path, out: Path, package: Path | None = None, gguf_dir: Path | None = None,
+                calib: Path | None = None) -> Path:
     """Write the bundle for the patched tree into out (replaced). package: the sparq_cpp folder to carry (default
-    this checkout's), gguf_dir: the gguf package's (default the installed one)."""
+    this checkout's), gguf_dir: the gguf package's (default the installed one), calib: the calib folder."""
+    calib = calib or REPO_ROOT / "calib"
     if not (tree / "ggml" / "src" / "ggml-cuda" / "sparse-attn.cu").is_file():
         raise click.ClickException(f"{tree} has no ggml/src/ggml-cuda/sparse-attn.cu: the series has no CUDA kernel yet")
     missing = [p for p in TREE_PARTS if not (tree / p).exists()]
@@ -1037,6 +1093,10 @@ def make_bundle(tree: Path, out: Path, package: Path | None = None, gguf_dir: Pa
         for root, arc, skip in ((package, "sparq/py/sparq_cpp", ()), (gguf_dir, "sparq/py/gguf", ("scripts",))):
             for f in _python_files(root, skip):
                 tar.add(f, arcname=f"{arc}/{f.relative_to(root).as_posix()}")
+        # the Loki projection writer (sparq_cpp.calib maps to calib/), without the calibration that needs llama.cpp
+        for name in CALIB_FILES:
+            tar.add(calib / name, arcname=f"sparq/py/sparq_cpp/calib/{name}")
+        _add_bytes(tar, "sparq/py/sparq_cpp/calib/__init__.py", CALIB_INIT.encode())
     write_run_sh(out)
     digest = hashlib.sha256((out / "llama-trimmed.tar.gz").read_bytes()).hexdigest()
     (out / "SERIES").write_text(f"series_hash {series_hash()}\ntree_tar_sha256 {digest}\n"

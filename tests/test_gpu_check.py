@@ -69,7 +69,11 @@ def test_dry_run_plans_every_stage(bundle, tmp_path):
     assert [s["name"] for s in summary["stages"]] == list(gpu_check.STAGES)
     for s in summary["stages"]:
         assert STAGE_KEYS <= s.keys()
-        assert s["status"] == "planned", s
+        # the ncu profile gets what e2e leaves: nothing, when each stage takes its typical time
+        assert s["status"] == ("skipped" if s["name"] == "profile" else "planned"), s
+        if s["status"] == "skipped":
+            assert "not enough time left" in s["note"]
+            continue
         assert s["background"] == (s["name"] in gpu_check.BACKGROUND_STAGES)
         assert s["limit_s"] > 0 and s["commands"]
         # every stage ends by the deadline, the last foreground one with its margin
@@ -94,17 +98,26 @@ def test_dry_run_plans_every_stage(bundle, tmp_path):
     for d in (4096, 8192, 16384, 32768, 65536):
         assert f"-d {d} -o jsonl > e2e-dense-{d}" in cmds["e2e"]
         assert f"-d {d} -o jsonl --sparse-attn sparq:r=16,k=128 > e2e-sparse-{d}" in cmds["e2e"]
-    assert cmds["e2e"].count("-fa 1") == 10
+    assert cmds["e2e"].count("-fa 1") == 11  # and Loki at 32k, through the environment variable
+    assert "LLAMA_SPARSE_ATTN=loki:d=32,k=128,proj=" in cmds["e2e"] and "-d 32768 -o jsonl > e2e-loki-32768" in cmds["e2e"]
+    assert "write_model.py" in cmds["model"] and cmds["model"].endswith("--loki")
+    longer = gpu_check.dry_run(bundle, budget=900, env=env)
+    assert all(s["status"] == "planned" for s in longer["stages"])
+    profile = "\n".join(_stage(longer, "profile")["commands"])
+    assert "--print-summary per-kernel" in profile and "sparq-op-bench -b CUDA0" in profile
     printed = summary["printed"]
     assert "dry run: nothing is executed" in printed
     for name in gpu_check.STAGES:
-        assert f"== {name}: limit " in printed
+        assert f"== {name}: " in printed
 
 
 def test_dry_run_worst_case_and_short_budget(bundle, tmp_path):
     env = _no_gpu_tools(tmp_path)
     worst = gpu_check.dry_run(bundle, worst=True, env=env)
-    for s in worst["stages"]:  # each stage takes its whole limit, and still every stage fits
+    for s in worst["stages"]:  # each stage takes its whole limit, and still every stage but the profile fits
+        if s["name"] == "profile":
+            assert s["status"] == "skipped"
+            continue
         assert s["status"] == "planned" and s["seconds"] == s["limit_s"]
         assert s["start_s"] + s["limit_s"] <= 570
     short = gpu_check.dry_run(bundle, budget=200, env=env)
@@ -133,6 +146,9 @@ case "$*" in *--version*) echo "Cuda compilation tools, release 13.0, V13.0.88";
 while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
 printf '#!/bin/sh\necho "device Stand-in H100, cc 9.0"\necho "copy_gb_s 2950.5 (stand-in)"\necho "kernel_copy_gb_s 3010.0 (stand-in)"\n' > "$out"
 chmod +x "$out"
+""",
+    "ncu": r"""#!/bin/bash
+echo "  sparse_attn_select (8, 4, 1)x(512, 1, 1), Context 1, Stream 7: Duration 100 us (stand-in)"
 """,
     "cmake": r"""#!/bin/bash
 if [ "$1" = -S ]; then mkdir -p "$4/bin"; echo "$*" > "$4/CMakeCache.txt"; echo "-- Configuring done"; exit 0; fi
@@ -165,13 +181,14 @@ exit 1
 """,
     "llama-bench": r"""#!/bin/bash
 ts=100.5; d=0
+[ -n "${LLAMA_SPARSE_ATTN:-}" ] && ts=120.6
 while [ $# -gt 0 ]; do case "$1" in -d) d=$2 ;; --sparse-attn) ts=150.75 ;; esac; shift; done
 echo "llama-bench stand-in at depth $d" >&2
 echo "{\"n_depth\": $d, \"n_gen\": 32, \"avg_ts\": $ts, \"stddev_ts\": 0.5}"
 """,
     "python": r"""#!/bin/bash
 case "$1" in -c) exit 0 ;; esac
-echo "model stand-in" > "$2"; echo "{\"model\": \"$2\"}"
+echo "model stand-in" > "$2"; echo "projection stand-in" > "${2%.gguf}.loki.gguf"; echo "{\"model\": \"$2\"}"
 """,
 }
 
@@ -180,7 +197,7 @@ def _fake_machine(tmp: Path) -> dict:
     fake = tmp / "fake"
     (fake / "bin").mkdir(parents=True)
     for name, text in FAKE_TOOLS.items():
-        path = fake / ("bin" if name in ("nvidia-smi", "nvcc", "cmake") else "") / name
+        path = fake / ("bin" if name in ("nvidia-smi", "nvcc", "cmake", "ncu") else "") / name
         path.write_text(text)
         path.chmod(0o755)
     wheel = fake / "wheel" / "cu13"
@@ -192,7 +209,7 @@ def _fake_machine(tmp: Path) -> dict:
         (wheel / "lib" / lib).write_text("")
     return {"PATH": f"{fake / 'bin'}:{os.environ['PATH']}", "FAKE": str(fake), "CUDACXX": str(fake / "bin" / "nvcc"),
             "PYTHON": str(fake / "python"), "CUBLAS_ROOT": str(fake / "wheel"), "JOBS": "16",
-            "E2E_DEPTHS": "8192,4096", "GPU_CHECK_WORK": str(tmp / "work"), "OUT": str(tmp / "out")}
+            "E2E_DEPTHS": "8192,4096", "E2E_LOKI_DEPTHS": "4096", "GPU_CHECK_WORK": str(tmp / "work"), "OUT": str(tmp / "out")}
 
 
 def _run(bundle: Path, env: dict, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -237,7 +254,7 @@ def test_stages_run_past_failures(tmp_path):
     # the test stage fails (one case), and every later stage still runs
     assert st["test"]["status"] == "failed" and st["test"]["rc"] == 1
     assert st["test"]["numbers"] == {"passed": 1, "total": 2, "failed": 1, "not_supported": 0}
-    for name in ("env", "unpack", "model", "configure", "build", "build-e2e", "bandwidth", "e2e"):
+    for name in ("env", "unpack", "model", "configure", "build", "build-e2e", "bandwidth", "e2e", "profile"):
         assert st[name]["status"] == "ok", st[name]
         assert isinstance(st[name]["seconds"], int) and st[name]["seconds"] <= st[name]["limit_s"]
     ob = st["opbench"]["numbers"]
@@ -255,6 +272,8 @@ def test_stages_run_past_failures(tmp_path):
     assert e2e["dense_tg_ts"] == {"4096": 100.5, "8192": 100.5}
     assert e2e["sparse_tg_ts"] == {"4096": 150.75, "8192": 150.75}
     assert e2e["speedup"] == {"4096": 1.5, "8192": 1.5}
+    assert e2e["loki_tg_ts"] == {"4096": 120.6} and e2e["loki_speedup"] == {"4096": 1.2}
+    assert "LLAMA_SPARSE_ATTN=loki:d=32,k=128,proj=" in "\n".join(st["e2e"]["commands"])
     logs = sorted(p.name for p in Path(env["OUT"]).iterdir())
     assert len(logs) <= 8 and "summary.json" in logs, logs
     assert logs == sorted(["summary.json", "env.log", "model.log", "configure.log", "build.log", "test.log",
@@ -311,7 +330,8 @@ def test_bundle_contents_and_model_writer(tmp_path):
                  "ggml/src/ggml-cuda/sparse-attn.cu", "ggml/src/ggml-cpu/ggml-cpu.c", "ggml/src/ggml.c",
                  "tools/llama-bench/llama-bench.cpp", "tests/test-backend-ops.cpp", "vendor/cpp-httplib/httplib.cpp",
                  "sparq-ops/CMakeLists.txt", "sparq/bw.cu", "sparq/write_model.py",
-                 "sparq/py/sparq_cpp/modelfactory.py", "sparq/py/gguf/gguf_writer.py"):
+                 "sparq/py/sparq_cpp/modelfactory.py", "sparq/py/gguf/gguf_writer.py",
+                 "sparq/py/sparq_cpp/calib/__init__.py", "sparq/py/sparq_cpp/calib/projection.py"):
         assert kept in names, kept
     for dropped in ("ggml/src/ggml-metal", "ggml/src/ggml-vulkan/ggml-vulkan.cpp", "tools/server/server.cpp",
                     "tests/test-sampling.cpp", "vendor/miniaudio/miniaudio.h", "examples/simple/simple.cpp"):
@@ -330,7 +350,7 @@ def test_bundle_contents_and_model_writer(tmp_path):
     # the model writer runs on the bundle's own sparq_cpp and gguf (a 1-layer tiny model here; the GPU machine
     # writes 8 layers of llama2-7b)
     model = tmp_path / "m.gguf"
-    proc = subprocess.run([sys.executable, str(x / "sparq/write_model.py"), str(model), "1", "tiny"],
+    proc = subprocess.run([sys.executable, str(x / "sparq/write_model.py"), str(model), "1", "tiny", "--loki"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -340,6 +360,16 @@ def test_bundle_contents_and_model_writer(tmp_path):
     assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
     assert reader.fields["llama.block_count"].parts[-1][0] == 1
     assert {t.tensor_type for t in reader.tensors if t.name.endswith("attn_q.weight")} == {gguf.GGMLQuantizationType.Q8_0}
+    # and its Loki projection, read back by the bundle's sparq_cpp against the model: orthonormal, variance sorted
+    assert info["loki"] == str(tmp_path / "m.loki.gguf")
+    check = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); "
+             "from sparq_cpp.projection import read_projection; p = read_projection(sys.argv[2], sys.argv[3]); "
+             "assert p.P.shape == (1, 4, 64, 64), p.P.shape; "
+             "assert np.allclose(np.einsum('lhij,lhik->lhjk', p.P, p.P), np.eye(64)); "
+             "assert (np.diff(p.explained_variance, axis=-1) <= 0).all(); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", check, str(x / "sparq/py"), info["loki"], str(model)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 def test_real_bundle_size(tmp_path):
