@@ -660,7 +660,12 @@ run_to() {  # run_to FILE LOG CMD...: as run, stdout to FILE (kept as it grows, 
     return $rc
 }
 
-q() { timeout 20 "$@" 2>/dev/null; }  # a quick probe whose output is a value
+q() {  # a quick probe whose output is a value: at most 20 s, and not past the stage's deadline
+    local left=$(( STAGE_END - $(date +%s) ))
+    [ $left -gt 20 ] && left=20
+    [ $left -lt 1 ] && left=1
+    timeout -k 2 "$left" "$@" 2>/dev/null
+}
 
 status_of() { case $1 in 0) echo ok ;; 124|137) echo timeout ;; *) echo failed ;; esac; }
 
