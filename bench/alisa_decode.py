@@ -22,8 +22,12 @@ import click
 import numpy as np
 
 from sparq_cpp import transfer
+from sparq_cpp.attention import ALISA, Dense
+from sparq_cpp.bench import machine
 from sparq_cpp.errors import SparqError
+from sparq_cpp.llm import open_model
 from sparq_cpp.outfile import atomic_write
+from sparq_cpp.real_models import fetch
 
 SCHEMA = "sparq-cpp-alisa-decode/1"
 
@@ -50,9 +54,6 @@ def _timed(llm, toks) -> float:
 
 
 def run_depth(path, S: int, c: float, steps: int, threads: int, seed: int) -> dict:
-    from sparq_cpp import ALISA, Dense
-    from sparq_cpp.llm import open_model
-
     rng = np.random.default_rng(seed)
     n_ctx = S + steps + 2
     contexts = {}
@@ -101,12 +102,8 @@ def run_depth(path, S: int, c: float, steps: int, threads: int, seed: int) -> di
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results here.")
 def main(model, depths, c, steps, threads, seed, json_path):
-    from sparq_cpp.bench import machine
-
     path = Path(model)
     if not path.is_file():
-        from sparq_cpp.real_models import fetch
-
         path = Path(fetch(model))
     if steps < 3:
         raise SparqError(f"--steps must be >= 3, got {steps}")

@@ -34,15 +34,22 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
+from sparq_cpp import lazy
+from sparq_cpp.attention import Dense, Loki, SparQ
 from sparq_cpp.bench import machine
 from sparq_cpp.bench.stateblob import KVLayout, sparse_layout, synthetic_state
 from sparq_cpp.bench.transfer_model import ModelShape, token_bytes
+from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
+from sparq_cpp.lazy import llama_cpp as import_llama_cpp
+from sparq_cpp.llm import llama_class
 from sparq_cpp.outfile import atomic_write
+from sparq_cpp.pyext.build import installed_build
 # the bench by job: settings (e2e_config), memory planning (e2e_memory), the model (e2e_model), results (e2e_report)
 from sparq_cpp.bench.e2e_config import BASELINE_MODES, MODES, SCHEMA, BenchConfig, Mode, fmt_bytes, fmt_depth, validate
-from sparq_cpp.bench.e2e_memory import _ubatch, depth_estimate, fills_at, group_estimate, n_ctx_for, plan_groups
+from sparq_cpp.bench.e2e_memory import ubatch as _ubatch, depth_estimate, fills_at, group_estimate, n_ctx_for, plan_groups
 from sparq_cpp.bench.e2e_model import ensure_model, kv_scales, loki_projection, plan_model
 from sparq_cpp.bench.e2e_report import faster_baseline, fill_agreement, plot, summarize
 
@@ -52,9 +59,7 @@ class _Context:
     """One llama.cpp context for a mode, with the low-level handles the steps need."""
 
     def __init__(self, path, shape: ModelShape, mode: Mode, cfg: BenchConfig, depth: int, fills: list):
-        from sparq_cpp.attention import Dense, Loki, SparQ
-        from sparq_cpp.llm import Llama, import_llama_cpp
-
+        Llama = llama_class()
         self.lc = import_llama_cpp()
         self.mode, self.depth = mode, depth
         self.pos = depth  # the position of the next step
@@ -94,8 +99,6 @@ class _Context:
         return bytes(buf[:self.lc.llama_state_seq_get_data(self.ctx, buf, n, 0)])
 
     def _attention_in_effect(self) -> dict:
-        from sparq_cpp.pyext import sparse_api
-
         if not sparse_api.available():
             return {"mode": 0, "api": "stock build"}
         return sparse_api.as_dict(sparse_api.get_params(self.ctx))
@@ -334,8 +337,6 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
 
 
 def _build_record() -> dict | None:
-    from sparq_cpp.pyext.build import installed_build
-
     rec = installed_build()
     if rec is None:
         return None
@@ -344,8 +345,6 @@ def _build_record() -> dict | None:
 
 def run(cfg: BenchConfig, log=print) -> dict:
     """Run the sweep and return the result (the JSON document); writes --json and --plot if set."""
-    from tqdm import tqdm
-
     cfg = validate(cfg)
     path, shape, how, to_write = plan_model(cfg)
     max_depth = max(cfg.depths)
@@ -469,7 +468,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
 def _library() -> dict:
     """The libllama actually loaded (LLAMA_CPP_LIB_PATH can point away from the installed build)."""
     try:
-        from llama_cpp import llama_cpp as raw
+        raw = lazy.llama_cpp("llama_cpp")
 
         return {"libllama": getattr(raw._lib, "_name", None), "LLAMA_CPP_LIB_PATH": os.environ.get("LLAMA_CPP_LIB_PATH")}
     except ImportError:
@@ -478,7 +477,7 @@ def _library() -> dict:
 
 def _llama_cpp_version() -> str | None:
     try:
-        import llama_cpp
+        llama_cpp = lazy.llama_cpp()
 
         return llama_cpp.__version__
     except ImportError:
@@ -487,7 +486,7 @@ def _llama_cpp_version() -> str | None:
 
 def _system_info() -> str | None:
     try:
-        import llama_cpp
+        llama_cpp = lazy.llama_cpp()
 
         return llama_cpp.llama_print_system_info().decode().strip()
     except Exception:  # noqa: BLE001 (informational only)

@@ -2,14 +2,16 @@
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
+from sparq_cpp import lazy
 from sparq_cpp.bench import machine
+from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
+from sparq_cpp.llm import check_threads, default_threads
 from sparq_cpp.outfile import check_writable
 
 SCHEMA = "sparq-cpp-bench/1"
@@ -146,8 +148,6 @@ def validate(cfg: BenchConfig) -> BenchConfig:
         raise SparqError(f"--loki-l: must be in 0..k ({cfg.k}), got {cfg.loki_l}")
     if cfg.loki_pca is not None and not Path(cfg.loki_pca).is_file():
         raise SparqError(f"--loki-pca: file not found: {cfg.loki_pca}")
-    from sparq_cpp.llm import check_threads
-
     cfg = replace(cfg, threads=check_threads(cfg.threads if cfg.threads is not None else _default_threads()))
     if not 0 < cfg.mem_fraction <= 1:
         raise SparqError(f"--mem-fraction: must be in (0, 1], got {cfg.mem_fraction}")
@@ -180,19 +180,13 @@ def _check_bandwidth_buffer(cfg: BenchConfig) -> None:
 
 
 def _default_threads() -> int:
-    from sparq_cpp.llm import default_threads
-
     return default_threads()
 
 
 def _check_build(modes: list) -> None:
-    from sparq_cpp.llm import import_llama_cpp
-
-    import_llama_cpp()
+    lazy.llama_cpp()
     kinds = {MODES[m].kind for m in modes}
     if kinds - {"dense"}:
-        from sparq_cpp.pyext import sparse_api
-
         if not sparse_api.available():
             bad = [m for m in modes if not MODES[m].dense]
             raise SparqError(f"--modes {','.join(bad)}: the installed llama.cpp has no sparse attention "

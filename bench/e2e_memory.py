@@ -21,7 +21,8 @@ def fills_at(cfg: BenchConfig, depth: int) -> list:
     return [cfg.fill]
 
 
-def _ubatch(fills: list, n_ctx: int, prefill_batch: int) -> int:
+def ubatch(fills: list, n_ctx: int, prefill_batch: int) -> int:
+    """The micro-batch of a context: the prefill batch where it prefills, else 32; never more than n_ctx."""
     return min(prefill_batch if "prefill" in fills else 32, n_ctx)
 
 
@@ -43,7 +44,7 @@ def estimate_memory(shape: ModelShape, mode: Mode, depth: int, fills: list, pref
     for fill in fills:
         kv += 2 * L * n_ctx * Ekv * bpe
         kt += L * n_ctx * Ekv * (4 if mode.cache_type == "f32" else 2) if mode.kind == "sparq" else 0
-        ub = _ubatch([fill], n_ctx, prefill_batch)
+        ub = ubatch([fill], n_ctx, prefill_batch)
         compute += ub * 4 * (2 * shape.n_vocab + 4 * max(shape.n_ff, E) + 16 * E) + 64 * MIB
         if not mode.flash_attn:
             compute += 2 * ub * n_ctx * shape.n_head * 4

@@ -3,6 +3,7 @@ Loki projection.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -10,19 +11,20 @@ from pathlib import Path
 import numpy as np
 
 from sparq_cpp.bench import machine
-from sparq_cpp.bench.transfer_model import ModelShape, shape_from_geometry, shape_from_gguf
-from sparq_cpp.errors import SparqError
 from sparq_cpp.bench.e2e_config import BENCH_MODEL_CTX, BenchConfig, fmt_bytes, fmt_depth
 from sparq_cpp.bench.e2e_memory import choose_layers, depth_estimate
+from sparq_cpp.bench.transfer_model import ModelShape, shape_from_geometry, shape_from_gguf
+from sparq_cpp.calib.pca import LokiPCA
+from sparq_cpp.calib.projection import write_projection
+from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import metadata_value, open_gguf
+from sparq_cpp.modelfactory import FACTORY_VERSION, PRESETS, cache_dir, qk_row_std, resolve_geometry, write_model
+from sparq_cpp.projection import read_projection
 
 # ---- the model ---------------------------------------------------------------------------
 
 def bench_model_path(preset: str, wtype: str, layers: int) -> Path:
     """The cached synthetic model for the bench: the factory's preset with n_ctx_train 128k."""
-    import hashlib
-
-    from sparq_cpp.modelfactory import FACTORY_VERSION, cache_dir
-
     key = json.dumps([FACTORY_VERSION, preset, wtype, layers, BENCH_MODEL_CTX])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_dir() / f"bench-{preset}-{wtype}-L{layers}-ctx{BENCH_MODEL_CTX // 1024}k-{digest}.gguf"
@@ -31,8 +33,6 @@ def bench_model_path(preset: str, wtype: str, layers: int) -> Path:
 def plan_model(cfg: BenchConfig) -> tuple:
     """(path, ModelShape, how it was chosen, geometry to write or None). Writes nothing: for the
     synthetic model the shape comes from its geometry, so every check runs before the write."""
-    from sparq_cpp.modelfactory import PRESETS, resolve_geometry
-
     if cfg.model is not None:
         path = Path(cfg.model).expanduser()
         return path, shape_from_gguf(path), "given", None
@@ -61,8 +61,6 @@ def plan_model(cfg: BenchConfig) -> tuple:
 
 def ensure_model(cfg: BenchConfig, path: Path, geo, log) -> ModelShape:
     """Write the synthetic model if it is not cached yet; the shape as read back from the file."""
-    from sparq_cpp.modelfactory import write_model
-
     if geo is not None:
         log(f"writing the synthetic model {path.name} ({fmt_bytes(shape_from_geometry(geo, cfg.wtype).weight_bytes)})")
         write_model(path, cfg.preset, layers=geo.n_layer, wtype=cfg.wtype, seed=0, progress=cfg.progress,
@@ -77,17 +75,13 @@ def kv_scales(path, shape: ModelShape) -> tuple:
     component's std is its attn_k row's std times sqrt(n_embd) (RMS-normed input), values have
     unit std; checked against a real prefill to within ~5% per component. Other models: 1.
     """
-    from sparq_cpp.gguf_check import _field, open_gguf
-
     try:
-        from sparq_cpp.modelfactory import PRESETS, _qk_row_std, resolve_geometry
-
         reader = open_gguf(path)
-        preset, seed = _field(reader, "sparq.preset"), _field(reader, "sparq.seed")
+        preset, seed = metadata_value(reader, "sparq.preset"), metadata_value(reader, "sparq.seed")
         if preset in PRESETS and seed is not None:
             geo = resolve_geometry(preset, layers=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
                                    n_head_kv=shape.n_head_kv, n_ff=shape.n_ff, n_vocab=shape.n_vocab)
-            k = np.stack([_qk_row_std(geo, int(seed), il, geo.n_head_kv) for il in range(shape.n_layer)])
+            k = np.stack([qk_row_std(geo, int(seed), il, geo.n_head_kv) for il in range(shape.n_layer)])
             return (k * math.sqrt(shape.n_embd)).astype(np.float32), None, "model factory row scales"
     except (SparqError, ImportError, TypeError, ValueError):
         pass
@@ -100,9 +94,6 @@ def loki_projection(cfg: BenchConfig, path: Path, shape: ModelShape, log) -> tup
     synthetic basis (random orthonormal per layer and KV head, written once next to the model). Decode time
     does not depend on the basis values, only on d, k and the cache, so the synthetic one times Loki
     honestly; it says nothing about Loki's accuracy."""
-    from sparq_cpp.calib.pca import LokiPCA
-    from sparq_cpp.calib.projection import read_projection, write_projection
-
     if cfg.loki_pca is not None:
         read_projection(cfg.loki_pca, model_path=path)
         return Path(cfg.loki_pca), "calibrated (--loki-pca)"

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from sparq_cpp.bench.e2e_config import AGREE_TOL, BASELINE_MODES, MODES, fmt_depth
+from sparq_cpp.lazy import pyplot
 
 # ---- analysis ----------------------------------------------------------------------------
 
@@ -158,8 +159,6 @@ def format_table(doc: dict) -> str:
 
 
 def plot(doc: dict, out_path) -> None:
-    from sparq_cpp.lazy import pyplot
-
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = {}

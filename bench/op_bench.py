@@ -29,7 +29,7 @@ import numpy as np
 
 from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.errors import SparqError
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 from sparq_cpp.bench import machine
 
 def measure_bandwidth(n_threads: int = 2, nbytes: int = 1 << 30) -> tuple[float, str]:

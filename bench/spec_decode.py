@@ -30,7 +30,10 @@ import click
 from sparq_cpp.bench.alisa_decode import parse_depths
 from sparq_cpp.bench.server_process import ServerProcess
 from sparq_cpp.errors import SparqError
+from sparq_cpp.evaluation import textgen
 from sparq_cpp.outfile import atomic_write
+from sparq_cpp.pyext.build import tool_path
+from sparq_cpp.real_models import fetch
 
 SCHEMA = "sparq-cpp-spec-decode/1"
 
@@ -40,8 +43,6 @@ class _Server(ServerProcess):
 
     def __init__(self, model: Path, draft: Path | None, n_ctx: int, threads: int, attention: str | None,
                  draft_max: int, log_dir: Path):
-        from sparq_cpp.pyext.build import tool_path
-
         def argv(port):
             args = [tool_path("llama-server"), "-m", model, "-c", n_ctx, "-fa", "on", "-t", threads, "-tb", threads,
                     "--parallel", 1, "--port", port, "-ctk", "f16", "-ctv", "f16"]
@@ -62,8 +63,6 @@ class _Server(ServerProcess):
 
 
 def _prompt_tokens(server: _Server, depth: int, seed: int) -> list[int]:
-    from sparq_cpp.evaluation import textgen
-
     toks = server.post("/tokenize", {"content": textgen.prose(8 * depth, seed)})["tokens"]
     if len(toks) < depth:
         raise SparqError(f"the prose gave {len(toks)} tokens, fewer than the depth {depth}")
@@ -95,8 +94,6 @@ def run_config(model, draft, depth: int, attention: str | None, n_predict: int, 
 
 
 def _resolve(name: str) -> Path:
-    from sparq_cpp.real_models import fetch
-
     p = Path(name)
     if p.is_file():
         return p

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from sparq_cpp import transfer
 from sparq_cpp.errors import SparqError
 from sparq_cpp.geometry import ModelGeometry, geometry_fields
+from sparq_cpp.gguf_check import check_gguf, open_gguf
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +33,6 @@ class ModelShape(ModelGeometry):
 
 def shape_from_gguf(path) -> ModelShape:
     """A ModelShape from a GGUF's metadata and tensor sizes."""
-    from sparq_cpp.gguf_check import check_gguf, open_gguf
-
     s = check_gguf(path)
     reader = open_gguf(path)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}

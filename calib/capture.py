@@ -16,8 +16,11 @@ from typing import Callable
 
 import numpy as np
 
+from sparq_cpp import lazy
+from sparq_cpp.bindings.ggml_ops import ggml_tensor, lib_dir
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf
+from sparq_cpp.llm import default_threads
 
 GGML_TYPE_F32 = 0
 # size of struct ggml_object, which ggml_tensor_overhead() adds to sizeof(struct ggml_tensor)
@@ -28,12 +31,10 @@ _GGML_OBJECT_SIZE = 32
 KeySink = Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]
 
 
-class _GGML:
+class GGMLFunctions:
     """The few libggml-base functions the callback needs, from the library llama_cpp loaded."""
 
     def __init__(self):
-        from sparq_cpp.pyext.ggml_ops import ggml_tensor, lib_dir
-
         self.tensor_t = ggml_tensor
         try:
             lib = ctypes.CDLL(str(lib_dir() / "libggml-base.so"))
@@ -83,17 +84,13 @@ class KeyCapture:
 
     def __init__(self, model_path, on_keys: KeySink, *, ctx_size: int = 2048, n_threads: int | None = None,
                  n_ubatch: int = 512):
-        from sparq_cpp.llm import default_threads, import_llama_cpp
-
         self.summary: GGUFSummary = check_gguf(model_path)
         self.on_keys = on_keys
         self.ctx_size = ctx_size
-        llama_cpp = import_llama_cpp()
-        from llama_cpp import _logger
-
-        _logger.set_verbose(False)
+        llama_cpp = lazy.llama_cpp()
+        lazy.llama_cpp("_logger").set_verbose(False)
         self._L = llama_cpp
-        self._ggml = _GGML()
+        self._ggml = GGMLFunctions()
         s = self.summary
         self._n_layer, self._shape = s.n_layer, (s.n_head_kv, s.head_dim)
         n_q = s.n_head * s.head_dim

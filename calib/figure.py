@@ -5,17 +5,15 @@ from pathlib import Path
 
 import numpy as np
 
+from sparq_cpp import lazy
 from sparq_cpp.outfile import atomic_write
 
 
 def rank_figure(path, rank_pre: np.ndarray, rank_post: np.ndarray, head_dim: int, model_name: str,
                 fraction: float = 0.9) -> Path:
     """rank_*: [n_layer, n_head_kv]; each panel plots the mean over KV heads per layer."""
-    from sparq_cpp.lazy import pyplot
-
-    plt = pyplot()
-    from matplotlib.ticker import MaxNLocator
-
+    plt = lazy.pyplot()
+    MaxNLocator = lazy.need("matplotlib.ticker", "a plot").MaxNLocator
     pct = round(100 * fraction)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
     for ax, rank, label in ((axes[0], rank_pre, "Pre-Rotary"), (axes[1], rank_post, "Post-Rotary")):

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparq_cpp.errors import SparqError
-
-VARIANTS = ("pre", "post")
+from sparq_cpp.projection import VARIANTS, explained_variance_ratio, rank_at
 
 
 class KeyMoments:
@@ -82,14 +81,3 @@ class LokiPCA:
     def rank_at(self, variant: str, fraction: float = 0.9) -> np.ndarray:
         """int [n_layer, n_head_kv]: components needed to explain `fraction` of the variance."""
         return rank_at(self.explained_variance[variant], fraction)
-
-
-def explained_variance_ratio(var: np.ndarray) -> np.ndarray:
-    total = var.sum(axis=-1, keepdims=True)
-    return np.divide(var, total, out=np.zeros_like(var, dtype=np.float64), where=total > 0)
-
-
-def rank_at(var: np.ndarray, fraction: float = 0.9) -> np.ndarray:
-    """Loki's Rank_l,h@v: the least d with sum_{j<=d} lambda_j / sum lambda >= v."""
-    cum = np.cumsum(explained_variance_ratio(np.asarray(var, np.float64)), axis=-1)
-    return np.argmax(cum >= fraction - 1e-12, axis=-1) + 1

@@ -4,8 +4,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
+from tqdm import tqdm
+
+from sparq_cpp.calib.capture import KeyCapture
 from sparq_cpp.calib.pca import KeyMoments, LokiPCA
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import swa_layers
 
 _PIECE_CHARS = 1 << 18  # tokenize long texts piecewise, stopping once there are enough tokens
 
@@ -83,8 +87,6 @@ def _single_threaded_blas():
 def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2048, n_threads: int | None = None,
               progress: bool = False) -> LokiPCA:
     """Loki PCA (pre and post RoPE) of the model's keys over up to n_tokens tokens of text."""
-    from sparq_cpp.calib.capture import KeyCapture
-
     check_sizes(n_tokens, ctx_size)
     if not text.strip():
         raise SparqError("the calibration text is empty")
@@ -96,7 +98,6 @@ def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2
         if bar is not None and il == moments.shape[0] - 1:
             bar.update(len(pos))
 
-    from sparq_cpp.gguf_check import swa_layers
 
     window = swa_layers(model_path)  # sliding-window layers attend densely: nothing to calibrate there
     full = None if window is None else [il for il, w in enumerate(window) if not w]
@@ -112,8 +113,6 @@ def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2
         moments = KeyMoments(s.n_layer, s.n_head_kv, s.head_dim)
         todo = chunks(text_tokens(cap.tokenize, text, n_tokens), cap.bos, ctx_size, n_tokens)
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="calibrating", dynamic_ncols=True)
         try:
             with _single_threaded_blas():

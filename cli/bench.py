@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from sparq_cpp.bench.compare import RERUN_TOL
+from sparq_cpp.bench.compare import RERUN_TOL, compare, format_comparison, load
 from sparq_cpp.bench.e2e import run
 from sparq_cpp.bench.e2e_config import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, parse_depths
 from sparq_cpp.bench.e2e_report import format_table
@@ -89,6 +89,4 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, lok
 @click.option("--tolerance", type=float, default=RERUN_TOL, show_default=True, help="Relative difference counted as reproduced.")
 def compare_command(run_a, run_b, tolerance):
     """Compare the speed-ups of two `sparq-cpp bench --json` runs (a rerun: the same command twice)."""
-    from sparq_cpp.bench.compare import compare, format_comparison, load
-
     click.echo(format_comparison(compare(load(run_a), load(run_b), tolerance), tolerance))

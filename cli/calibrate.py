@@ -1,15 +1,21 @@
 """`sparq-cpp calibrate`: Loki's PCA of a model's keys (pre and post RoPE), written as a projection GGUF."""
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import click
 
+from sparq_cpp import lazy
+from sparq_cpp.calib.figure import rank_figure
+from sparq_cpp.calib.projection import check_embeddable, embed_projection, write_projection
+from sparq_cpp.calib.run import calibrate, check_sizes
 from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
                                    threads_type)
+from sparq_cpp.cli.runner import run_standalone
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import check_gguf, check_sparse
+from sparq_cpp.outfile import check_writable
 
 
 def _read_texts(paths) -> str:
@@ -66,26 +72,17 @@ def _table(pca) -> str:
 @progress_option
 def command(model, texts, n_tokens, ctx_size, threads, out, embed, figure, progress):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
-    from sparq_cpp.calib import calibrate, embed_projection, write_projection
-    from sparq_cpp.outfile import check_writable
-    from sparq_cpp.calib.run import check_sizes
-    from sparq_cpp.gguf_check import check_gguf, check_sparse
-
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
     model = resolve_model(model)
     summary = check_gguf(model)
     check_sparse(summary, "Loki")  # a projection is only of use to Loki
     if embed:
-        from sparq_cpp.calib.projection import check_embeddable
-
         check_embeddable(summary.arch)
     out = check_writable(_out_path(model, out, embed), "--out")
     if figure is not None:
         check_writable(figure, "--figure")
-        from sparq_cpp.lazy import need
-
-        need("matplotlib", "--figure")  # now, not after the run
+        lazy.need("matplotlib", "--figure")  # now, not after the run
     text = _read_texts(texts)
 
     t0 = time.perf_counter()
@@ -101,16 +98,12 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, figure, progr
                f"({pca.n_tokens / seconds:.0f} tokens/s)", err=True)
     click.echo(f"wrote {out}", err=True)
     if figure is not None:
-        from sparq_cpp.calib.figure import rank_figure
-
         rank_figure(figure, pca.rank_at("pre"), pca.rank_at("post"), summary.head_dim, summary.name)
         click.echo(f"wrote {figure}", err=True)
 
 
 def main():
     """`python -m sparq_cpp.cli.calibrate`: the command on its own."""
-    from sparq_cpp.cli.main import run_standalone
-
     run_standalone(command)
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from sparq_cpp.convert import OUTTYPES
+from sparq_cpp.convert import OUTTYPES, convert
+from sparq_cpp.gguf_check import check_gguf
 
 
 @click.command("convert")
@@ -15,9 +16,6 @@ from sparq_cpp.convert import OUTTYPES
 def command(model_dir, outtype, out):
     """Convert a Hugging Face Llama-family checkpoint (config.json, *.safetensors, tokenizer.model)
     to a GGUF that llama.cpp loads."""
-    from sparq_cpp.convert import convert
-    from sparq_cpp.gguf_check import check_gguf
-
     path = convert(model_dir, out, outtype)
     s = check_gguf(path)
     click.echo(f"{path}  {path.stat().st_size / 1024**2:.1f} MiB")

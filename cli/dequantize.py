@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import click
+from tqdm import tqdm
 
 from sparq_cpp.cli.options import progress_enabled, progress_option
+from sparq_cpp.dequantize import dequantize_gguf
+from sparq_cpp.gguf_check import check_gguf
 
 
 @click.command("dequantize")
@@ -14,11 +17,6 @@ def command(gguf_path, out, progress):
     """Write an f32 copy of a GGUF model (every tensor dequantized, metadata kept), e.g. to check
     llama.cpp's sparse attention against the reference without weight-quantization rounding.
     The copy is a different file: Loki projections must be calibrated for it."""
-    from tqdm import tqdm
-
-    from sparq_cpp.dequantize import dequantize_gguf
-    from sparq_cpp.gguf_check import check_gguf
-
     bar, show = None, progress_enabled(progress)
 
     def step(i, n):  # the bar starts with the first tensor, after the checks

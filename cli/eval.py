@@ -7,9 +7,14 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp import lazy
 from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
                                    threads_type)
 from sparq_cpp.errors import SparqError
+from sparq_cpp.evaluation import results, tasks
+from sparq_cpp.evaluation.methods import parse_methods
+from sparq_cpp.evaluation.runner import EvalConfig, run
+from sparq_cpp.evaluation.sweep import parse_ratios
 from sparq_cpp.outfile import check_writable
 
 DEFAULT_METHODS = "dense,sparq,h2o,lm-infinite"
@@ -36,15 +41,13 @@ def _depths(text):
 
 
 def _data(items):
-    from sparq_cpp.evaluation.tasks import TASKS
-
     out = {}
     for item in items:
         task, eq, path = item.partition("=")
         if not eq or not path:
             raise SparqError(f"--data takes TASK=PATH, got {item!r}")
-        if task not in TASKS:
-            raise SparqError(f"--data: unknown task {task!r} (known: {', '.join(TASKS)})")
+        if task not in tasks.TASKS:
+            raise SparqError(f"--data: unknown task {task!r} (known: {', '.join(tasks.TASKS)})")
         out[task] = Path(path)
     return out
 
@@ -94,11 +97,6 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
     needle in a haystack, key-value retrieval, copying a paragraph of random words. The reference (exact top-k, H2O, LM-Infinite, and any
     METHOD@ref) is a numpy forward pass: practical for small models only (see the README)."""
-    from sparq_cpp.evaluation import results, tasks
-    from sparq_cpp.evaluation.methods import parse_methods
-    from sparq_cpp.evaluation.runner import EvalConfig, run
-    from sparq_cpp.evaluation.sweep import parse_ratios
-
     if help_formats:
         click.echo(tasks.__doc__)
         return
@@ -122,9 +120,7 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
         if path:
             check_writable(path, option)  # now, not after the run
     if plot_path:
-        from sparq_cpp.lazy import need
-
-        need("matplotlib", "--plot")
+        lazy.need("matplotlib", "--plot")
     gguf = resolve_model(model)
     cfg = EvalConfig(
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),

@@ -9,9 +9,13 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp import lazy
+from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, attention_options, cache_type_options, cache_types,
                                    flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import check_gguf
+from sparq_cpp.llm import open_model
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
 DEFAULT_CHAT_PROMPT = "Tell me about yourself."
@@ -46,8 +50,6 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
                            model: Path | None = None):
     """The attention settings the options ask for. Loki without --loki-pca takes `<model stem>.loki.gguf`
     next to the model when there is one (what `sparq-cpp calibrate` writes) and says so."""
-    from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
-
     sparq_only = r is not None or no_mean_value
     loki_only = d is not None or loki_pca is not None
     shared = k is not None or l is not None
@@ -93,8 +95,7 @@ def default_projection(model: Path) -> Path:
 def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
     """The prompt's tokens through the model's own chat template (llama-cpp-python's Jinja2 formatter, as its
     create_chat_completion uses it), and the template's name for the report."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
+    Jinja2ChatFormatter = lazy.llama_cpp("llama_chat_format").Jinja2ChatFormatter
     template = llm.metadata["tokenizer.chat_template"]
     eos, bos = llm.token_eos(), llm.token_bos()
     formatter = Jinja2ChatFormatter(template=template,
@@ -140,8 +141,6 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
     models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
     the last step read against dense."""
-    from sparq_cpp.llm import open_model
-
     if n_predict < 1 and n_predict != -1:
         raise SparqError(f"-n must be >= 1, or -1 for no limit, got {n_predict}")
     type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
@@ -152,8 +151,6 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     if system is not None and chat is False:
         raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")
     if ctx_size is None:
-        from sparq_cpp.gguf_check import check_gguf
-
         ctx_size = min(4096, check_gguf(path).n_ctx_train or 4096)
     llm, summary = open_model(path, attention=attention, n_ctx=ctx_size, n_threads=threads, seed=seed,
                               cache_type_k=type_k, cache_type_v=type_v,
@@ -183,8 +180,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     llm.eval(tokens)
     t_prompt = time.perf_counter() - t0
 
-    import llama_cpp
-
+    llama_cpp = lazy.llama_cpp()
     vocab = llm._model.vocab
     generated, t_decode, prev = 0, 0.0, tokens[-1:]
     budget = limit if n_predict == -1 else n_predict
@@ -214,8 +210,6 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
 
 def _report_reads(llm, summary, n_kv):
     """Attention data the last step read, against dense, from docs/spec.md's transfer formulas."""
-    from sparq_cpp.attention import Dense
-
     name = llm.attention.name
     if llm.cache_type is None:
         click.echo(f"attn    {name}: reads are modelled for one cache type, not -ctk {llm.cache_type_k} with "

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp import lazy
 from sparq_cpp.errors import SparqError
+from sparq_cpp.pyext.build import installed_build
+from sparq_cpp.pyext.patchtree import series, series_hash
+from sparq_cpp.pyext.upstream import Pin
 
 
 def backends(lib_dir: Path) -> list[str]:
@@ -24,11 +28,6 @@ def backends(lib_dir: Path) -> list[str]:
 @click.command("info")
 def command():
     """Print the pin, the patch series, the backends and CPU features of the build in use."""
-    from sparq_cpp.llm import import_llama_cpp
-    from sparq_cpp.pyext.build import installed_build
-    from sparq_cpp.pyext.patchtree import series, series_hash
-    from sparq_cpp.pyext.upstream import Pin
-
     pin = Pin.load()
     click.echo(f"upstream      {pin.package} {pin.version} (sdist sha256 {pin.sha256[:16]}...)")
     click.echo(f"patch series  {len(series())} patches, sha256 {series_hash()[:16]} (this checkout)")
@@ -38,7 +37,7 @@ def command():
     stale = "" if rec["series_hash"] == series_hash() else "  ** differs from this checkout: run `make setup` **"
     click.echo(f"build in use  {rec['key']}: series sha256 {rec['series_hash'][:16]}{stale}")
     click.echo(f"build options {rec['options']}")
-    llama_cpp = import_llama_cpp()
+    llama_cpp = lazy.llama_cpp()
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     click.echo(f"library       {lib_dir}")
     click.echo(f"backends      {', '.join(backends(lib_dir))}")

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import click
 
+from sparq_cpp.attention import Dense
+from sparq_cpp.demo_model import default_model
 from sparq_cpp.errors import SparqError
+from sparq_cpp.llm import max_threads
+from sparq_cpp.real_models import MODELS, fetch
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -23,8 +27,6 @@ class FiniteFloatRange(click.FloatRange):
 
 def threads_type() -> click.IntRange:
     """1 up to max_threads() (see sparq_cpp.llm.max_threads)."""
-    from sparq_cpp.llm import max_threads
-
     return click.IntRange(1, max_threads())
 
 
@@ -43,11 +45,7 @@ def resolve_model(model, log=lambda msg: click.echo(msg, err=True)) -> Path:
     """The model file: `model` itself; a name from sparq_cpp.real_models (e.g. smollm2-135m) when no file
     has that name (fetched and checked on first use); the demo model when None."""
     if model is None:
-        from sparq_cpp.demo_model import default_model
-
         return default_model(log)
-    from sparq_cpp.real_models import MODELS, fetch
-
     if model in MODELS and not Path(model).exists():
         return Path(fetch(model, log=log))
     return Path(model)
@@ -84,8 +82,6 @@ def flash_attn_option(command):
 
 def flash_attn_for(flash_attn: str, attention) -> str:
     """-fa's value for `attention`: `auto` is `on` for a sparse mode, and `off` with one is refused."""
-    from sparq_cpp.attention import Dense
-
     if isinstance(attention, Dense):
         return flash_attn
     if flash_attn == "off":

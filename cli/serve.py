@@ -2,24 +2,25 @@
 SparQ or Loki, its settings checked before the server starts."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
 
 import click
 
+from sparq_cpp.attention import ALISA, Dense, Loki, spec
 from sparq_cpp.cli.generate import attention_from_options
-from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_option,
-                                   model_option, resolve_model, threads_type)
+from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_for,
+                                   flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import check_gguf, check_sparse
+from sparq_cpp.llm import check_alisa, check_loki_projection, default_threads, display_name
+from sparq_cpp.pyext.build import tool_path
 
 
 def sparse_attn_env(attention) -> str | None:
     """The setting that switches `attention` on in a stock tool (None for dense), with an absolute path."""
-    import dataclasses
-
-    from sparq_cpp.attention import Dense, Loki, spec
-
     if isinstance(attention, Dense):
         return None
     if isinstance(attention, Loki) and attention.projection is not None:
@@ -74,12 +75,6 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
                    cache_type_v="f16", flash_attn="auto", extra=()) -> tuple:
     """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
     context creation would fail on (model, settings, projection) and of the options after `--`."""
-    from sparq_cpp.attention import ALISA, Dense, Loki
-    from sparq_cpp.cli.options import flash_attn_for
-    from sparq_cpp.gguf_check import check_gguf, check_sparse
-    from sparq_cpp.llm import check_alisa, check_loki_projection, default_threads, display_name
-    from sparq_cpp.pyext.build import tool_path
-
     check_forwarded(extra)
     summary = check_gguf(path)
     if not isinstance(attention, Dense):

@@ -1,5 +1,6 @@
 """Methods and the two backends that run them: llama.cpp (dense, sparq, loki, and alisa as alisa@llama) and the
-numpy/Numba reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa).
+numpy/Numba reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa; its session is
+ref_session.py's, which needs numba).
 
 A backend session holds one model context and runs one sample at a time:
 ``prefill(tokens)`` puts the prompt but its last token into the cache with dense attention;
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
 from sparq_cpp.evaluation.sweep import METHODS
+from sparq_cpp.llm import open_model
 
 BACKENDS = ("llama", "ref")
 LLAMA_METHODS = ("dense", "sparq", "loki", "alisa")
@@ -75,9 +78,6 @@ class LlamaSession:
 
     def __init__(self, model_path, method: str, *, n_ctx: int, cache_type: str, threads: int | None,
                  mean_value: bool, loki_projection=None, logits_all: bool = False, alisa_c: float | None = None):
-        from sparq_cpp.attention import ALISA, Dense, SparQ
-        from sparq_cpp.llm import open_model
-
         self.method, self.mean_value, self.loki_projection = method, mean_value, loki_projection
         if method == "dense":
             first = Dense()
@@ -98,13 +98,9 @@ class LlamaSession:
         self._prompt = []
 
     def _loki(self, **kw):
-        from sparq_cpp.attention import Loki
-
         return Loki(projection=self.loki_projection, **kw)
 
     def _attention(self, params: dict, sparse_rows: bool):
-        from sparq_cpp.attention import ALISA, Dense, SparQ
-
         if self.method == "dense" or (self.method == "alisa" and not sparse_rows):
             return Dense()
         if self.method == "alisa":
@@ -143,8 +139,6 @@ class LlamaSession:
         """Attend with the session's method, or with llama.cpp's dense attention (method "dense") in a
         SparQ context: its prefill is a dense one, so dense and SparQ share it."""
         if method == "dense" and self.method != "dense":
-            from sparq_cpp.attention import Dense
-
             self.llm.set_attention(Dense())
         elif self.method != "dense":
             self.llm.set_attention(self._attention(params, sparse_rows=True))
@@ -164,94 +158,6 @@ class LlamaSession:
         self.llm.close()
 
 
-class RefSession:
-    """The reference forward pass; one prefill per sample serves every method and setting. The prompt
-    goes in batches of PREFILL_BATCH tokens (the reference's results do not depend on the batch size),
-    which bounds the memory of an 8k-token prompt."""
-
-    PREFILL_BATCH = 512
-
-    def __init__(self, model, *, cache_type: str, loki_projection=None, model_path=None):
-        from sparq_cpp.reference.baselines import DensePrompt, H2OAttention
-        from sparq_cpp.reference.forward import LlamaReference
-
-        self._prompt = DensePrompt(H2OAttention(1))  # dense rows; records the prompt's H2O scores
-        self.ref = LlamaReference(model, attention=self._prompt, cache_type=cache_type)
-        self.loki_projection, self.model_path = loki_projection, model_path
-        self._loki_bases = None
-        self.n_prefill = 0
-        self._alisa = None  # ALISA's record of the prompt's attention weights, once alisa is asked for
-        self._tokens = []
-
-    def prefill(self, tokens):
-        self.ref.reset()
-        self._prompt.reset()
-        self.ref.attention = self._prompt
-        if self._alisa is not None:
-            from sparq_cpp.reference.baselines import RecordPrompt
-
-            self._alisa.reset()
-            self.ref.attention = RecordPrompt(self._prompt, self._alisa)
-        self._tokens = list(tokens)
-        for pos in range(0, len(tokens), self.PREFILL_BATCH):  # batches of llama.cpp's size; no logits
-            self.ref.forward(list(tokens[pos: pos + self.PREFILL_BATCH]), logits=False)
-        self.n_prefill = self.ref.n_cells
-
-    def rewind(self):
-        self.ref.n_cells = self.n_prefill  # later cells are overwritten; earlier ones never change
-
-    def _bases(self):
-        if self._loki_bases is None:
-            if self.loki_projection is None:
-                raise SparqError("loki on the reference needs a projection: pass --loki-projection FILE "
-                                 "(made by `sparq-cpp calibrate`)")
-            from sparq_cpp.calib.projection import read_projection
-
-            self._loki_bases = read_projection(self.loki_projection, model_path=self.model_path)
-        return self._loki_bases
-
-    def make(self, method: str, params: dict):
-        from sparq_cpp.reference.attention import DenseAttention, ExactTopKAttention, SparQAttention
-        from sparq_cpp.reference.baselines import DensePrompt, LMInfiniteAttention
-        from sparq_cpp.reference.loki import LokiAttention
-
-        if method == "dense":
-            return DenseAttention()
-        if method == "sparq":
-            att = SparQAttention(params["r"], params["k"], params["l"], params.get("mean_value", True))
-        elif method == "exact-topk":
-            att = ExactTopKAttention(params["k"])
-        elif method == "lm-infinite":
-            att = LMInfiniteAttention(params["k"])
-        elif method == "loki":
-            att = LokiAttention(self._bases(), params["d"], params["k"], params.get("l", 0))
-        elif method == "h2o":
-            att = self._prompt.method.with_budget(params["k"], params["l"])  # the prompt's scores
-        elif method == "alisa":
-            if self._alisa is None or params["c"] > self._alisa.keep_c:
-                # first use (or a larger ratio): prefill again, recording the prompt's weights from now on,
-                # only the rows a window of this ratio or smaller can reach (memory ~ n*k, not n**2)
-                from sparq_cpp.reference.baselines import SWAAttention
-
-                self._alisa = SWAAttention(params["c"], keep_c=params["c"])
-                self.prefill(self._tokens)
-            att = self._alisa.with_ratio(params["c"])  # the prompt's weights seed the window sums
-        else:
-            raise SparqError(f"unknown method {method!r}")
-        wrapped = DensePrompt(att)
-        wrapped.prompt = False
-        return wrapped
-
-    def use_attention(self, attention):
-        self.ref.attention = attention
-
-    def feed(self, tokens) -> np.ndarray:
-        return self.ref.forward(list(tokens))
-
-    def close(self):
-        pass
-
-
 def mean_value_default(n_head: int, n_head_kv: int, flag: bool | None) -> bool:
     """The paper turns SparQ's mean-value reallocation off for GQA models; on for MHA."""
     return (n_head == n_head_kv) if flag is None else bool(flag)
@@ -259,4 +165,3 @@ def mean_value_default(n_head: int, n_head_kv: int, flag: bool | None) -> bool:
 
 def with_mean_value(params: dict, mean_value: bool) -> dict:
     return dict(params, mean_value=mean_value) if "r" in params else params
-

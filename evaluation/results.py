@@ -8,8 +8,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from sparq_cpp.outfile import atomic_write
 from sparq_cpp.evaluation.tasks import HIGHER_IS_BETTER, SCORE_NAMES
+from sparq_cpp.lazy import pyplot
+from sparq_cpp.outfile import atomic_write
 
 
 def summarize(records) -> list[dict]:
@@ -181,8 +182,6 @@ def write_json(doc: dict, path) -> Path:
 def plot(doc: dict, path) -> Path:
     """Score vs compression ratio (log2 axis, achieved ratios), a panel per task, a line per method;
     dense is the point at 1 and a dotted line across, as in the SparQ paper's figures."""
-    from sparq_cpp.lazy import pyplot
-
     plt = pyplot()
     rows = doc.get("summary") or summarize(doc["records"])
     task_names = list(dict.fromkeys(r["task"] for r in rows))

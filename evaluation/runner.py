@@ -8,17 +8,23 @@ length); the ratio each run actually achieved over its steps is recorded.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
+from sparq_cpp import lazy
 from sparq_cpp.errors import SparqError
 from sparq_cpp.evaluation import sweep, tasks
-from sparq_cpp.evaluation.methods import (LlamaSession, MethodSpec, RefSession, mean_value_default,
-                                          with_mean_value)
+from sparq_cpp.evaluation.methods import LlamaSession, MethodSpec, mean_value_default, with_mean_value
+from sparq_cpp.gguf_check import check_gguf, check_sparse
+
+# the reference backend (evaluation/ref_session.py) needs numba, the [reference] extra
+REFERENCE_METHODS = "the reference methods (exact-topk, h2o, lm-infinite, METHOD@ref)"
 
 LN2 = math.log(2.0)
 
@@ -42,7 +48,7 @@ class EvalConfig:
     progress: bool = True
 
 
-def _nll_bits(logits: np.ndarray, targets) -> np.ndarray:
+def nll_bits(logits: np.ndarray, targets) -> np.ndarray:
     x = logits.astype(np.float64)
     m = x.max(axis=1, keepdims=True)
     lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
@@ -92,8 +98,6 @@ def _plan(methods, ratios):
 
 
 def run(cfg: EvalConfig, log=print) -> dict:
-    from sparq_cpp.gguf_check import check_gguf, check_sparse
-
     summary = check_gguf(cfg.model_path)
     D = summary.head_dim
     for task in cfg.tasks:
@@ -118,11 +122,7 @@ def run(cfg: EvalConfig, log=print) -> dict:
     tok = tasks.Tokenizer(cfg.model_path)
     ref_model = None
     if any(s.backend == "ref" for s, _ in runs):
-        from sparq_cpp.lazy import need
-
-        need("numba", "the reference methods (exact-topk, h2o, lm-infinite, METHOD@ref)")
-        from sparq_cpp.reference.gguf_model import load_llama
-        ref_model = load_llama(cfg.model_path)
+        ref_model = lazy.need("sparq_cpp.evaluation.ref_session", REFERENCE_METHODS).load_llama(cfg.model_path)
 
     built = {}
     for task in cfg.tasks:
@@ -196,6 +196,7 @@ def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model, alisa_c=None):
             if cfg.cache_type not in ("f32", "f16"):
                 raise SparqError(f"the reference stores f32 or f16 caches, not {cfg.cache_type}; "
                                  "use --cache-type f16 with reference methods")
+            RefSession = lazy.need("sparq_cpp.evaluation.ref_session", REFERENCE_METHODS).RefSession
             sessions[key] = RefSession(ref_model, cache_type=cfg.cache_type, loki_projection=cfg.loki_projection,
                                        model_path=cfg.model_path)
     return sessions
@@ -221,7 +222,7 @@ def _run_one(session, spec, target, sample, tok, D, cfg, mean_value, skipped):
            "S": S, "meta": sample.meta}
     if sample.kind == "score":
         logits = session.feed([sample.prompt[-1]] + sample.target[:-1])
-        bits = _nll_bits(logits, sample.target)
+        bits = nll_bits(logits, sample.target)
         steps = [S + i for i in range(len(sample.target))]
         rec.update(score=float(bits.sum() / max(sample.n_chars, 1)), bits=float(bits.sum()), chars=sample.n_chars,
                    tokens=len(sample.target))
@@ -255,14 +256,10 @@ class _NoBar:
 def _progress(total, enabled):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
-
     return tqdm(total=total, desc="eval", unit="run", leave=False, dynamic_ncols=True)
 
 
 def _config_doc(cfg: EvalConfig, mean_value: bool) -> dict:
-    import dataclasses
-
     return {"model_path": str(cfg.model_path), "tasks": list(cfg.tasks), "methods": [m.label for m in cfg.methods],
             "ratios": list(cfg.ratios), "task": dataclasses.asdict(cfg.task_cfg),
             "data": {k: str(v) for k, v in cfg.data.items()}, "cache_type": cfg.cache_type,

@@ -38,7 +38,9 @@ import numpy as np
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparq_cpp import lazy
 from sparq_cpp.errors import SparqError
+from sparq_cpp.evaluation import textgen
 
 TASKS = ("bpc", "repetition", "needle", "kv", "copy")
 HIGHER_IS_BETTER = {"bpc": False, "repetition": True, "needle": True, "kv": True, "copy": False}
@@ -81,13 +83,9 @@ class Tokenizer:
     """The model's own tokenizer through llama.cpp (vocab only, no weights loaded)."""
 
     def __init__(self, path):
-        from sparq_cpp.llm import import_llama_cpp
-
-        llama_cpp = import_llama_cpp()
-        from llama_cpp._utils import suppress_stdout_stderr
-
+        llama_cpp = lazy.llama_cpp()
         try:
-            with suppress_stdout_stderr(disable=False):  # a vocab-only context warns about n_ctx_train = 0
+            with lazy.llama_cpp("_utils").suppress_stdout_stderr(disable=False):  # a vocab-only context warns about n_ctx_train = 0
                 self._llm = llama_cpp.Llama(str(path), vocab_only=True, n_ctx=64, verbose=False)
         except (ValueError, RuntimeError) as e:  # llama-cpp-python's way of saying llama.cpp refused the file
             raise SparqError(f"llama.cpp could not load the tokenizer of {path}: {e}") from None
@@ -164,8 +162,6 @@ def parse_kv(text: str, where: str) -> list[tuple[str, str]]:
 
 
 def default_text(task: str, seed: int = 0) -> str:
-    from sparq_cpp.evaluation import textgen
-
     if task == "needle":
         return textgen.needle_file(seed)
     if task == "kv":

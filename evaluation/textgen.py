@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 
-from sparq_cpp.tokenizer import _WORDS
+from sparq_cpp.tokenizer import WORDS
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -21,7 +21,7 @@ ANSWER_PREFIX = "The best thing to do in San Francisco is"
 def prose(n_chars: int, seed: int = 0) -> str:
     """Paragraphs of 3-7 sentences of 5-14 words, Zipf-weighted, at least n_chars long."""
     rng = np.random.default_rng(seed)
-    words = _WORDS.split()
+    words = WORDS.split()
     p = 1.0 / np.arange(1, len(words) + 1) ** 0.9
     p /= p.sum()
     out, size = [], 0

@@ -4,7 +4,6 @@ Upstream code never enters this repository; only `patches/pin.txt` names it.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -14,15 +13,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparq_cpp.cache import cache_root, sha256_file  # here too: the build tooling's names for them
 from sparq_cpp.errors import SparqError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCHES_DIR = REPO_ROOT / "patches"
-
-
-def cache_root() -> Path:
-    """Where builds, sdists and generated models are cached (shared by every clone on the machine)."""
-    return Path(os.environ.get("SPARQ_CPP_CACHE", Path.home() / ".cache" / "sparq-cpp"))
 
 
 @dataclass(frozen=True)
@@ -45,14 +40,6 @@ class Pin:
             return cls(**{k: fields[k] for k in ("package", "version", "sdist", "sha256")})
         except KeyError as e:
             raise SparqError(f"{path}: missing field {e.args[0]!r}") from None
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_sdist(path: Path, pin: Pin) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
+from sparq_cpp.llm import llama_class
 
 if TYPE_CHECKING:  # at run time Llama is made on first use (below); type checkers see its declaration
     from sparq_cpp.llm import Llama
@@ -20,6 +21,5 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # Llama subclasses llama_cpp.Llama: made on first use, so importing needs no llama_cpp
     if name == "Llama":
-        from sparq_cpp.llm import llama_class
         return llama_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,7 @@ import numbers
 from dataclasses import dataclass
 
 from sparq_cpp import transfer
+from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -177,8 +178,6 @@ def parse_attention(text: str) -> Attention:
     their defaults. Parsed by llama.cpp itself (llama_sparse_attn_parse), so both read it the same way.
     Keys: sparq r, k, l, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, min_n_kv, prompt, proj,
     variant (post|pre); alisa c, min_n_kv. No spaces, each key once."""
-    from sparq_cpp.pyext import sparse_api
-
     if not isinstance(text, str):
         raise SparqError(f"attention spec must be a string, got {text!r}")
     p = sparse_api.parse(text)

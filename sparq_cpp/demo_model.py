@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparq_cpp.modelfactory import default_model_path
+
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "austen.q8_0.gguf"
 
 
@@ -13,8 +15,6 @@ def default_model(log) -> Path:
         log(f"no --gguf given: using the demo model {DEMO_MODEL.name} (4.5M parameters, trained on Jane Austen's "
             "novels; see models/README.md)")
         return DEMO_MODEL
-    from sparq_cpp.modelfactory import default_model_path
-
     log(f"no --gguf given and this install has no {DEMO_MODEL.name}: using the built-in synthetic model "
         "(random weights, so the output is noise)")
     return default_model_path()

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.gguf_check import _field, check_gguf, open_gguf
+from sparq_cpp.gguf_check import check_gguf, metadata_value, open_gguf
 from sparq_cpp.outfile import atomic_write, check_space, check_writable, fmt_bytes
+from sparq_cpp import system
 
 _FILE_TYPE_ALL_F32 = 0
 
 
 def dequantize_gguf(src, out, progress=None) -> Path:
     """Write `out`, an f32 copy of the GGUF `src`; `progress(i, n)` after each tensor."""
-    import gguf
-    from gguf.quants import dequantize
-
     src, out = Path(src), Path(out).expanduser()
     summary = check_gguf(src)  # a model the copy could not be used as is refused before writing
     reader = open_gguf(src)
@@ -55,8 +55,6 @@ def dequantize_gguf(src, out, progress=None) -> Path:
 
 def _check_dequantizable(reader, src: Path) -> None:
     """Each tensor type the gguf package can dequantize (one row of each tried), before writing."""
-    from gguf.quants import dequantize
-
     tried = set()
     for t in reader.tensors:
         if t.tensor_type in tried:
@@ -72,16 +70,14 @@ def _check_dequantizable(reader, src: Path) -> None:
 def _metadata(reader, src: Path) -> list:
     """(name, value, type) of every key to copy, read now: a value that cannot be read fails before
     anything is written. The reader's own GGUF.* fields and the architecture (the writer adds it) are left out."""
-    return [(name, _field(reader, name), field.types[0]) for name, field in reader.fields.items()
+    return [(name, metadata_value(reader, name), field.types[0]) for name, field in reader.fields.items()
             if not name.startswith("GGUF.") and name != "general.architecture"]
 
 
 def _check_resources(reader, out: Path) -> None:
     """The writer holds every f32 tensor until it writes the file: memory and disk for all of them."""
-    from sparq_cpp.system import mem_available
-
     nbytes = sum(int(np.prod(t.shape, dtype=np.int64)) * 4 for t in reader.tensors)
-    avail = mem_available()  # 0: unknown
+    avail = system.mem_available()  # 0: unknown
     if avail and nbytes > avail:
         raise SparqError(f"the f32 copy is about {fmt_bytes(nbytes)}, built in memory; {fmt_bytes(avail)} is available")
     check_space(out, nbytes, "--out")

@@ -1,12 +1,15 @@
 """Check a GGUF file before llama.cpp sees it, so bad input gets one clear line instead of a crash."""
 from __future__ import annotations
 
-import mmap
-import struct
 import dataclasses
 import math
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+import gguf
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.geometry import ModelGeometry
@@ -43,7 +46,8 @@ class GGUFSummary(ModelGeometry):
 MAX_LAYERS = 512
 
 
-def _field(reader, key, default=None):
+def metadata_value(reader, key, default=None):
+    """The value of metadata `key` in a gguf reader, or `default`; a string that is not UTF-8 is a SparqError."""
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -66,10 +70,8 @@ def _check_is_gguf(path: Path) -> None:
         raise SparqError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
 
 
-def open_gguf(path) -> "gguf.GGUFReader":
+def open_gguf(path) -> gguf.GGUFReader:
     """Open a GGUF, turning every way it can be unreadable into a SparqError."""
-    import gguf
-
     path = Path(path)
     _check_is_gguf(path)
     try:
@@ -98,7 +100,7 @@ def _shortest_f32(x: float) -> float:
     return x  # inf, nan
 
 
-class _Header:
+class GGUFHeader:
     """A GGUF's metadata and tensor table, read directly: scalars decoded on request, arrays only
     counted. The gguf package's reader decodes every array element (a 49k-token vocabulary and its
     merges take seconds in Python); a check needs a few keys and the tensors' extents."""
@@ -195,8 +197,6 @@ class _Header:
         return v
 
     def check_extents(self) -> None:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
         for name, dims, ttype, offset in self.tensors:
             try:
                 block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
@@ -209,17 +209,17 @@ class _Header:
                 raise SparqError(f"{self.path} is truncated: tensor {name} ends past the end of the file")
 
 
-def _read_header(path: Path) -> _Header:
+def _read_header(path: Path) -> GGUFHeader:
     _check_is_gguf(path)
     try:
-        header = _Header(path)
+        header = GGUFHeader(path)
     except (ValueError, struct.error, OverflowError, MemoryError) as e:
         raise SparqError(f"{path} is a damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
     header.check_extents()
     return header
 
 
-def sparse_refusal(reader: "_Header", arch: str) -> str | None:
+def sparse_refusal(reader: "GGUFHeader", arch: str) -> str | None:
     """Why sparse attention cannot work on this model (a phrase naming the cause), or None."""
     def num(key):
         v = reader.get(f"{arch}.{key}", 0)
@@ -252,17 +252,17 @@ def swa_layers(path) -> tuple | None:
     return _swa_layers(reader, reader.get("general.architecture"), path)
 
 
-def _number(reader: _Header, key: str, default):
+def _number(reader: GGUFHeader, key: str, default):
     v = reader.get(key, default)
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else default
 
 
-def _swa_layers(reader: _Header, arch, path) -> tuple | None:
+def _swa_layers(reader: GGUFHeader, arch, path) -> tuple | None:
     if arch not in _SWA_PATTERN_DEFAULT or not _number(reader, f"{arch}.attention.sliding_window", 0) > 0:
         return None
     n_layer = reader.get(f"{arch}.block_count")
     pattern = reader.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN_DEFAULT[arch])
-    if isinstance(pattern, _Header._Array) and pattern.values is not None and len(pattern.values) >= n_layer:
+    if isinstance(pattern, GGUFHeader._Array) and pattern.values is not None and len(pattern.values) >= n_layer:
         return tuple(bool(x) for x in pattern.values[:n_layer])  # per-layer flags, as load_swa_pattern reads them
     if not isinstance(pattern, int) or isinstance(pattern, bool):
         raise SparqError(f"{path}: {arch}.attention.sliding_window_pattern must be a number or per-layer flags")
@@ -314,7 +314,7 @@ def check_gguf(path, archs=None) -> GGUFSummary:
         n_head=n_head, n_head_kv=hp("attention.head_count_kv", n_head),
         n_ff=int(num("feed_forward_length", 0)),  # 0 where given per layer
         n_ctx_train=hp("context_length"),
-        n_vocab=tokens.count if isinstance(tokens, _Header._Array) else hp("vocab_size", 0),
+        n_vocab=tokens.count if isinstance(tokens, GGUFHeader._Array) else hp("vocab_size", 0),
         rope_freq_base=float(num("rope.freq_base", 10000.0)),
         rms_eps=float(num("attention.layer_norm_rms_epsilon", ModelGeometry.rms_eps)),
         key_length=hp("attention.key_length", 0) or None,
@@ -332,7 +332,7 @@ def check_gguf(path, archs=None) -> GGUFSummary:
     return summary
 
 
-def _check_values(reader: _Header, arch: str, path: Path) -> None:
+def _check_values(reader: GGUFHeader, arch: str, path: Path) -> None:
     """Metadata ggml would assert on later (llama.cpp's loader refuses these too, by name): norm epsilons
     (ggml_norm, ggml_rms_norm: a number >= 0), expert counts that do not fit, an odd rope dimension count."""
     key = f"{path}: {arch}."

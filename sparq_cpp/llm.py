@@ -8,20 +8,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from sparq_cpp import lazy, system
 from sparq_cpp.attention import ALISA, Attention, Dense, Loki, SparQ, parse_attention
+from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
-from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse
+from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse, swa_layers
+from sparq_cpp.projection import read_projection
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # name -> ggml type number (llama-cpp-python's type_k/type_v)
 CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
-
-
-def import_llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise SparqError(f"llama-cpp-python is not installed here ({e}); run `make setup`") from None
-    return llama_cpp
 
 
 def default_threads() -> int:
@@ -44,11 +39,9 @@ def check_threads(n: int, what: str = "--threads") -> int:
     return n
 
 
-def _c_params(attention, *, creation: bool = False):
+def c_params(attention, *, creation: bool = False):
     """The C parameters for `attention`; the Loki projection path only at creation (the basis is fixed
     for the context's life, NULL keeps it)."""
-    from sparq_cpp.pyext import sparse_api
-
     p = sparse_api.default_params()
     if isinstance(attention, SparQ):
         sparse_api.fill(p, mode=sparse_api.LLAMA_SPARSE_ATTN_SPARQ, r=attention.r, k=attention.k, l=attention.local,
@@ -74,8 +67,6 @@ def display_name(attention) -> str:
 def check_loki_projection(attention: Loki, model_path) -> None:
     """The projection exists, is readable and was made for this very model file (its fingerprint), or
     the model has one embedded; checked here because llama.cpp can only compare shapes and names."""
-    from sparq_cpp.calib.projection import read_projection
-
     if attention.projection is not None:
         read_projection(attention.projection, model_path=model_path, variant=attention.variant)
         return
@@ -91,8 +82,6 @@ def check_loki_projection(attention: Loki, model_path) -> None:
 def check_alisa(model_path) -> None:
     """ALISA's window follows the cells of one full-attention cache: models with sliding-window layers are
     refused here by name (llama.cpp refuses them too, with a less specific message)."""
-    from sparq_cpp.gguf_check import swa_layers
-
     if any(swa_layers(model_path) or ()):
         raise SparqError(f"{model_path}: ALISA cannot run on a model with sliding-window layers (its window of past "
                          "weights follows one full-attention cache); use SparQ or Loki")
@@ -108,10 +97,8 @@ def alisa_window_bytes(n_layer: int, n_ctx: int, c: float) -> int:
 def check_alisa_memory(summary, n_ctx: int, c: float) -> None:
     """ALISA's window grows with the square of the context: refused with the number when it cannot fit
     in the memory free now, before llama.cpp allocates it (beyond RAM a process is killed without a word)."""
-    from sparq_cpp.system import mem_available
-
     need = alisa_window_bytes(summary.n_layer, n_ctx, c)
-    avail = mem_available()
+    avail = system.mem_available()
     if avail and need > avail:
         raise SparqError(f"ALISA at c = {c:g} and a context of {n_ctx} tokens keeps {need / 2**30:.1f} GiB of past "
                          f"weights ({summary.n_layer} layers x {n_ctx}^2 x c/2 floats), more than the "
@@ -142,7 +129,7 @@ def cache_types(cache_type=None, type_k=None, type_v=None) -> tuple[str, str]:
 
 
 def _llama_class():
-    llama_cpp = import_llama_cpp()
+    llama_cpp = lazy.llama_cpp()
 
     class Llama(llama_cpp.Llama):
         """llama_cpp.Llama with an `attention` setting: Dense(), SparQ(...), Loki(...) or ALISA(...), or the
@@ -183,7 +170,7 @@ def _llama_class():
                                      "do not pass flash_attn=False")
                 kwargs["flash_attn"] = True
                 # the mode the context is created for, in llama_context_params (patches/bindings)
-                kwargs["sparse_attn"] = _c_params(attention, creation=True)
+                kwargs["sparse_attn"] = c_params(attention, creation=True)
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except (ValueError, RuntimeError) as e:
@@ -216,12 +203,10 @@ def _llama_class():
             SparQ settings or Dense(); a Loki context to other d, k, l (its basis stays) or Dense(); an ALISA
             context to Dense() or a c no larger than the one it was created with; a dense context stays dense.
             What the context cannot do is refused with SparqError."""
-            from sparq_cpp.pyext import sparse_api
-
             if isinstance(attention, str):
                 attention = parse_attention(attention)
             attention.check(self.summary.head_dim)
-            sparse_api.set_params(self._ctx.ctx, _c_params(attention))
+            sparse_api.set_params(self._ctx.ctx, c_params(attention))
             self.attention = attention
 
     return Llama

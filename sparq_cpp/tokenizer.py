@@ -16,7 +16,7 @@ SPACE = "\u2581"  # SentencePiece's marker for a space
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 # Common English words, most common first (the order breaks ties between pieces of equal length).
-_WORDS = """
+WORDS = """
 the of and to a in is it you that he was for on are with as I his they be at one have this from
 or had by hot word but what some we can out other were all there when up use your how said an
 each she which do their time if will way about many then them write would like so these her long
@@ -78,7 +78,7 @@ def _word_pieces() -> list[str]:
     """Multi-character pieces, most common first; each comes after its prefixes, so any leading
     part of the list is prefix-closed and a small vocabulary holds the commonest words whole."""
     pieces = _SUBWORDS.split()
-    for w in _WORDS.split():
+    for w in WORDS.split():
         pieces += [SPACE + w, SPACE + w.capitalize(), w]
     return _prefix_closed(pieces)
 

@@ -8,8 +8,8 @@ import ctypes
 import numpy as np
 
 from sparq_cpp.attention import Dense
-from sparq_cpp.llm import CACHE_TYPES, _c_params
-from sparq_cpp.pyext import sparse_api
+from sparq_cpp.llm import CACHE_TYPES, c_params
+from sparq_cpp.bindings import sparse_api
 
 FLASH_ATTN_ENABLED = 1
 
@@ -55,7 +55,7 @@ class Session:
         if isinstance(attention, sparse_api.llama_sparse_attn_params):  # as llama.cpp parsed it
             cp.sparse_attn = attention
         elif not isinstance(attention, Dense):
-            cp.sparse_attn = _c_params(attention, creation=True)
+            cp.sparse_attn = c_params(attention, creation=True)
         self.ctx = C.llama_init_from_model(self.model, cp)
         assert self.ctx, "could not create the context"
         self.mem = C.llama_get_memory(self.ctx)

@@ -1,7 +1,7 @@
 """The sparse attention op on another architecture: ggml cross-built for aarch64 (Debian's
 gcc-aarch64-linux-gnu), run under qemu-aarch64 (Debian's qemu-user) by tests/op_runner/op_runner.c.
 
-Inputs are laid out exactly as pyext.ggml_ops lays them out for the host's op (its KVCache, q_tensor and
+Inputs are laid out exactly as bindings.ggml_ops lays them out for the host's op (its KVCache, q_tensor and
 mask_tensor build the views), recorded instead of handed to ggml, written to a file, computed by the
 runner, and read back. The ggml build is cached beside the installed build (same patched sources).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 from sparq_cpp.pyext.build import installed_build
 
 RUNNER_SRC = Path(__file__).parent / "op_runner" / "op_runner.c"

@@ -15,9 +15,9 @@ import pytest
 
 from sparq_cpp import transfer
 from sparq_cpp.errors import SparqError
+from sparq_cpp.reference.alisa import SWAAttention
 from sparq_cpp.reference.attention import DenseAttention
-from sparq_cpp.reference.baselines import (DensePrompt, H2OAttention, RecordPrompt, SWAAttention,
-                                           compression_ratio, reads)
+from sparq_cpp.reference.baselines import DensePrompt, H2OAttention, RecordPrompt, compression_ratio, reads
 
 SCALE = 0.25
 
@@ -275,7 +275,7 @@ def test_sweep_sets_the_ratio_from_the_formula():
 
 def _eval_ready():
     pytest.importorskip("llama_cpp")
-    from sparq_cpp.pyext import sparse_api
+    from sparq_cpp.bindings import sparse_api
 
     if not sparse_api.available():
         pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)")
@@ -296,7 +296,7 @@ def test_eval_alisa_equals_the_reference_run_directly(tiny, preset):
     gives the bits of a plain LlamaReference with DensePrompt(SWAAttention(c))."""
     from sparq_cpp.evaluation import sweep, tasks
     from sparq_cpp.evaluation.methods import parse_methods
-    from sparq_cpp.evaluation.runner import EvalConfig, _nll_bits, run
+    from sparq_cpp.evaluation.runner import EvalConfig, nll_bits, run
     from sparq_cpp.reference.forward import LlamaReference
     from sparq_cpp.reference.gguf_model import load_llama
 
@@ -316,13 +316,13 @@ def test_eval_alisa_equals_the_reference_run_directly(tiny, preset):
         ref = LlamaReference(model, attention=att, cache_type="f16")
         ref.forward(s.prompt[:-1])
         att.prompt = False
-        bits = _nll_bits(ref.forward([s.prompt[-1]] + s.target[:-1]), s.target)
+        bits = nll_bits(ref.forward([s.prompt[-1]] + s.target[:-1]), s.target)
         assert r["score"] == pytest.approx(float(bits.sum() / s.n_chars), abs=1e-9)
         # without the prompt's rows the first steps would rank by zero sums: a different result
         bare = LlamaReference(model, attention=DensePrompt(DenseAttention()), cache_type="f16")
         bare.forward(s.prompt[:-1])
         bare.attention = SWAAttention(r["params"]["c"])
-        other = _nll_bits(bare.forward([s.prompt[-1]] + s.target[:-1]), s.target)
+        other = nll_bits(bare.forward([s.prompt[-1]] + s.target[:-1]), s.target)
         assert abs(float(other.sum() - bits.sum())) > 1e-6
 
 

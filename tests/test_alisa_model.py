@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 if not sparse_api.available() or "alisa" not in sparse_api.MODES:
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
@@ -17,7 +17,8 @@ from conftest import assert_rewind_and_reload_continue_as_fresh, decode_one_by_o
 
 from sparq_cpp import ALISA, Dense, SparQ, SparqError  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
-from sparq_cpp.reference.baselines import DensePrompt, SWAAttention  # noqa: E402
+from sparq_cpp.reference.alisa import SWAAttention  # noqa: E402
+from sparq_cpp.reference.baselines import DensePrompt  # noqa: E402
 from sparq_cpp.reference.forward import LlamaReference  # noqa: E402
 from sparq_cpp.reference.gguf_model import load_llama  # noqa: E402
 
@@ -188,7 +189,7 @@ def test_setting_errors(models, value, message):
     """Refused by llama.cpp's parser (behind --sparse-attn) or, for a value it reads, at context creation."""
     from llama_session import Session, captured_log
 
-    from sparq_cpp.pyext import sparse_api
+    from sparq_cpp.bindings import sparse_api
 
     try:
         params = sparse_api.parse(value)

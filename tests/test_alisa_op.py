@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
+from sparq_cpp.reference.alisa import SWAAttention
 from sparq_cpp.reference.attention import DenseAttention
-from sparq_cpp.reference.baselines import SWAAttention
 
 if not go.has_sparq_attn() or not hasattr(go.lib().base, "ggml_alisa_attn"):
     pytest.skip("the ggml build has no ALISA ranking (set SPARQ_CPP_LIB_DIR to a patched build)",

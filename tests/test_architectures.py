@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
@@ -407,10 +407,10 @@ class OpCapture:
     def __init__(self, path, attention):
         import llama_cpp
 
-        from sparq_cpp.calib.capture import _GGML
-        from sparq_cpp.llm import _c_params
+        from sparq_cpp.calib.capture import GGMLFunctions
+        from sparq_cpp.llm import c_params
 
-        self.L, self.g = llama_cpp, _GGML()
+        self.L, self.g = llama_cpp, GGMLFunctions()
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
         self.got, self.error = {}, None
         llama_cpp.llama_backend_init()
@@ -420,7 +420,7 @@ class OpCapture:
         cp.type_k = cp.type_v = 0
         cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cp.cb_eval, cp.cb_eval_user_data = self._cb, None
-        cp.sparse_attn = _c_params(attention, creation=True)
+        cp.sparse_attn = c_params(attention, creation=True)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         assert self.ctx
 

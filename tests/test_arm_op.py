@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 
 if not go.has_sparq_attn():
     pytest.skip("the ggml build has no ggml_sparq_attn (run `make setup`)", allow_module_level=True)

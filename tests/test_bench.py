@@ -18,7 +18,7 @@ from sparq_cpp.bench.stateblob import (KVLayout, blob_size, dequantize_q8_0, par
                                        quantize_q8_0, sparse_layout, synthetic_state)
 from sparq_cpp.bench.transfer_model import shape_from_geometry, shape_from_gguf, token_bytes  # noqa: E402
 from sparq_cpp.modelfactory import resolve_geometry, write_model  # noqa: E402
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 HAS_SPARSE = sparse_api.available()
 needs_sparse = pytest.mark.skipif(not HAS_SPARSE, reason="the installed llama.cpp has no sparse attention API")
@@ -318,9 +318,9 @@ def test_cli_bad_input_one_line_exit_2(models, tmp_path):
     from click.testing import CliRunner
 
     from sparq_cpp.cli import bench
-    from sparq_cpp.cli.main import _Group
+    from sparq_cpp.cli.runner import SparqGroup
 
-    @click.group(cls=_Group)
+    @click.group(cls=SparqGroup)
     def cli():
         pass
 

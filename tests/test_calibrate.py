@@ -233,7 +233,7 @@ def test_failed_write_leaves_no_file(tiny_pca, tmp_path, monkeypatch):
 
 def _ggml_gguf_tensors(path) -> dict[str, int]:
     """Tensor name -> ggml type as llama.cpp's own GGUF parser (libggml-base) reads the file."""
-    from sparq_cpp.pyext.ggml_ops import lib_dir
+    from sparq_cpp.bindings.ggml_ops import lib_dir
 
     lib = ctypes.CDLL(str(lib_dir() / "libggml-base.so"))
 
@@ -282,7 +282,7 @@ def test_embed(calibrated, tmp_path):
 def test_embedded_model_loads_in_llama_cpp(tiny_pca, tmp_path):
     import llama_cpp
 
-    from sparq_cpp.pyext import sparse_api
+    from sparq_cpp.bindings import sparse_api
 
     path, pca = tiny_pca
     out = embed_projection(tmp_path / "embedded.gguf", pca, path, ctx_size=CTX)
@@ -304,9 +304,9 @@ def test_embed_refuses_to_overwrite_the_model(tiny_pca):
 def cli_invoke(*args):
     """The calibrate command inside a group like cli/main.py's (SparqError -> one line, exit 2)."""
     from sparq_cpp.cli.calibrate import command
-    from sparq_cpp.cli.main import _Group
+    from sparq_cpp.cli.runner import SparqGroup
 
-    @click.group(cls=_Group)
+    @click.group(cls=SparqGroup)
     def group():
         pass
 

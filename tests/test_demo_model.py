@@ -26,7 +26,7 @@ def _demo(path):
 @needs_demo
 @each_demo
 def test_demo_model_writes_text_like_its_training_text(demo):
-    from sparq_cpp.tokenizer import _WORDS
+    from sparq_cpp.tokenizer import WORDS
 
     llm, summary = _demo(demo)
     try:
@@ -37,7 +37,7 @@ def test_demo_model_writes_text_like_its_training_text(demo):
     words = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
     assert len(words) >= 20, text
     # 64% of the words of held-out Austen text are in the tokenizer's common-word list; noise is ~0%
-    common = sum(w in set(_WORDS.split()) for w in words) / len(words)
+    common = sum(w in set(WORDS.split()) for w in words) / len(words)
     assert common > 0.45, (common, text)
     assert all(c.isprintable() or c == "\n" for c in text), text
 
@@ -53,7 +53,7 @@ def test_demo_model_copies_across_1k_tokens_of_text(demo):
     (MHA) and 24 (GQA) of 48 words with the passage, 0 without (the first-stage models of commit 98c7b45: 36 and 38)."""
     import numpy as np
 
-    from sparq_cpp.tokenizer import _WORDS
+    from sparq_cpp.tokenizer import WORDS
 
     rng = np.random.default_rng(0)
     paras = [p for p in (AUSTEN * 8).split("\n\n") if p]
@@ -61,7 +61,7 @@ def test_demo_model_copies_across_1k_tokens_of_text(demo):
     hits = {"with": 0, "without": 0}
     try:
         # the common words that are one token, as in the training mixture's random-word passages
-        vocab = sorted(w for w in set(_WORDS.split()) if len(llm.tokenize((" " + w).encode(), add_bos=False)) == 1)
+        vocab = sorted(w for w in set(WORDS.split()) if len(llm.tokenize((" " + w).encode(), add_bos=False)) == 1)
         assert len(vocab) > 200
         for trial in range(6):
             words = list(rng.choice(vocab, 40))

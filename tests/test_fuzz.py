@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
@@ -65,9 +65,9 @@ def mutate(data: bytes, seed: int, data_start: int, f32_tensors=()) -> bytes:
 
 def _layout(path, names=("attn_q", "attn_k", "loki_proj")):
     """(data start, [(start, n)] of the f32 tensors whose name holds one of `names`)."""
-    from sparq_cpp.gguf_check import _Header
+    from sparq_cpp.gguf_check import GGUFHeader
 
-    h = _Header(path)
+    h = GGUFHeader(path)
     tensors = [(h.data_start + off, int(np.prod(dims))) for name, dims, ttype, off in h.tensors
                if ttype == 0 and any(k in name for k in names)]
     return h.data_start, tensors

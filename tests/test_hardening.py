@@ -43,7 +43,7 @@ def test_settings_refuse_values_that_do_not_fit_an_int32(make, message):
 
 
 def test_c_params_refuse_a_value_ctypes_would_wrap():
-    from sparq_cpp.pyext import sparse_api
+    from sparq_cpp.bindings import sparse_api
 
     assert SparQ(k=2**31 - 1).k == 2**31 - 1 and Loki(k=np.int64(7)).k == 7  # what fits is kept
     p = sparse_api.fill(sparse_api.llama_sparse_attn_params(), k=7, r=3)
@@ -81,7 +81,7 @@ def test_cli_gives_one_line_for_a_bad_geometry(tiny, tmp_path, changes, message)
 
 
 def test_projection_with_a_fingerprint_that_is_not_utf8(tmp_path):
-    from sparq_cpp.calib.projection import read_projection
+    from sparq_cpp.projection import read_projection
 
     bad = rewrite_gguf(DEMO_PROJECTION, tmp_path / "bad.loki.gguf", {"loki.model.fingerprint": b"\xff" * 64})
     with pytest.raises(SparqError, match="bad.loki.gguf: metadata key loki.model.fingerprint is not UTF-8 text"):
@@ -94,7 +94,7 @@ def test_projection_with_a_fingerprint_that_is_not_utf8(tmp_path):
     ({"loki.n_layer": 10**9}, r"tensor blk\.4\.loki_proj_post is missing"),  # no 10**9-layer allocation first
 ])
 def test_projection_with_damaged_sizes(tmp_path, changes, message):
-    from sparq_cpp.calib.projection import read_projection
+    from sparq_cpp.projection import read_projection
 
     bad = rewrite_gguf(DEMO_PROJECTION, tmp_path / "bad.loki.gguf", changes)
     with pytest.raises(SparqError, match=message):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
@@ -171,7 +171,7 @@ def test_c_api_refuses_a_foreign_projection(models):
     path, _, _ = models["tiny"]
     _, gqa_proj, _ = models["tiny-gqa"]
     llm = Llama(path, Dense(), n_ctx=64)
-    lib = sparse_api._lib()
+    lib = sparse_api.lib()
     model = llm._model.model
     assert lib.llama_sparse_attn_load_projection(model, str(gqa_proj).encode(), False) == -16
     assert lib.llama_sparse_attn_load_projection(model, str(path).encode(), False) == -16  # not a projection

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from sparq_cpp.bench import op_bench
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 
 if not go.has_sparq_attn():
     pytest.skip("the ggml build has no SPARSE_ATTN op (set SPARQ_CPP_LIB_DIR to a patched build)",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sparq_cpp.reference.forward import round_activation
-from sparq_cpp.reference.gguf_model import SUPPORTED_WTYPES, _dequant
+from sparq_cpp.reference.gguf_model import SUPPORTED_WTYPES, dequant_tensor
 
 QT = gguf.GGMLQuantizationType
 
@@ -39,7 +39,7 @@ def test_q4_1_block_dequantized_by_hand(tmp_path):
     _write(path, {"w": (np.frombuffer(raw, np.uint8).reshape(1, 40), QT.Q4_1)})
     t = gguf.GGUFReader(path).tensors[0]
     assert t.tensor_type == QT.Q4_1 and QT.Q4_1 in SUPPORTED_WTYPES
-    got = _dequant(t)
+    got = dequant_tensor(t)
     assert got.shape == (1, 64) and got.dtype == np.float32
     assert got[0].tolist() == expected  # every value is exact in f32
 
@@ -62,7 +62,7 @@ _VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
 
 @pytest.fixture(scope="module")
 def ggml_cpu():
-    from sparq_cpp.pyext.ggml_ops import lib
+    from sparq_cpp.bindings.ggml_ops import lib
 
     L = lib()
     L.base.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)

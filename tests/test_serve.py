@@ -10,7 +10,7 @@ import concurrent.futures
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import sparse_api  # noqa: E402
+from sparq_cpp.bindings import sparse_api  # noqa: E402
 
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)

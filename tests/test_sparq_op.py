@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 from sparq_cpp.reference.attention import DenseAttention, ExactTopKAttention, SparQAttention
 
 if not go.has_sparq_attn():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.pyext import ggml_ops, sparse_api  # noqa: E402
+from sparq_cpp.bindings import ggml_ops, sparse_api  # noqa: E402
 
 if not sparse_api.available() or not ggml_ops.has_sparq_attn():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)

@@ -98,12 +98,12 @@ def test_tokenizer_model_round_trips():
 @pytest.mark.build
 def test_converted_tokenizer_matches_training_tokenizer(tmp_path):
     """llama.cpp tokenizes with the converted vocabulary exactly as the project's SPM vocabulary."""
-    from sparq_cpp.llm import import_llama_cpp
+    from sparq_cpp.lazy import llama_cpp
     from sparq_cpp.train.tokenize import Tokenizer
 
     ckpt = hf.save(_random_model(4), tmp_path / "ckpt")
     out = convert(ckpt, tmp_path / "m.gguf", "f32")
-    llm = import_llama_cpp().Llama(str(out), vocab_only=True, verbose=False)
+    llm = llama_cpp().Llama(str(out), vocab_only=True, verbose=False)
     text = "It is a truth universally acknowledged, that a single man\n\nin possession of 42 \u00e9l\u00e8ves."
     assert llm.tokenize(text.encode(), add_bos=False) == Tokenizer(N_VOCAB).encode(text).tolist()
     assert llm.detokenize(llm.tokenize(text.encode(), add_bos=False)).decode() == text
@@ -221,7 +221,7 @@ def test_stream_fits_every_context(T):
 
 def test_p_random_ramp():
     """--p-random START:END moves linearly from START at step 0 to END at the last step."""
-    from sparq_cpp.train.run import TrainArgs, _p_rand, parse_fraction_ramp
+    from sparq_cpp.train.run import TrainArgs, p_random_at, parse_fraction_ramp
 
     assert parse_fraction_ramp("0.3") == (0.3, None)
     assert parse_fraction_ramp("0.9:0.2") == (0.9, 0.2)
@@ -229,8 +229,8 @@ def test_p_random_ramp():
         with pytest.raises(SparqError, match="--p-random"):
             parse_fraction_ramp(bad)
     args = TrainArgs(out="x", steps=100, p_rand=0.9, p_rand_end=0.2)
-    assert [round(_p_rand(args, s), 6) for s in (0, 50, 100)] == [0.9, 0.55, 0.2]
-    assert _p_rand(TrainArgs(out="x", p_rand=0.4), 77) == 0.4
+    assert [round(p_random_at(args, s), 6) for s in (0, 50, 100)] == [0.9, 0.55, 0.2]
+    assert p_random_at(TrainArgs(out="x", p_rand=0.4), 77) == 0.4
 
 
 def test_bf16_training_loss_matches_float32(ids):
@@ -251,7 +251,7 @@ def test_bf16_training_loss_matches_float32(ids):
 def test_warm_start_keeps_geometry_and_pools_kv_heads(tmp_path):
     """--init keeps the checkpoint's geometry, refuses flags that disagree, and a smaller
     --n-head-kv mean-pools the KV heads that each new KV head's query heads used."""
-    from sparq_cpp.train.run import TrainArgs, _warm_start, geometry
+    from sparq_cpp.train.run import TrainArgs, warm_start, geometry
 
     src = _random_model(4)
     path = str(hf.save(src, tmp_path / "ckpt"))
@@ -263,7 +263,7 @@ def test_warm_start_keeps_geometry_and_pools_kv_heads(tmp_path):
     with pytest.raises(SparqError, match="--n-head-kv 3 disagrees"):
         geometry({**flags, "n_head_kv": 3}, path)
     g = geometry({**flags, "n_head_kv": 2}, path)
-    model, init = _warm_start(TrainArgs(out=str(tmp_path / "out"), init=path, ctx=64, **g))
+    model, init = warm_start(TrainArgs(out=str(tmp_path / "out"), init=path, ctx=64, **g))
     assert init["kv_heads_mean_pooled_from"] == 4 and model.config.num_key_value_heads == 2
     old = src.model.layers[0].self_attn.k_proj.weight.detach().view(4, 16, 64)
     new = model.model.layers[0].self_attn.k_proj.weight.detach().view(2, 16, 64)
@@ -334,9 +334,8 @@ def test_bad_input(tmp_path, ckpt, breakage, message):
 def test_cli_errors(tmp_path, ckpt):
     from click.testing import CliRunner
 
-    from sparq_cpp.cli.main import _register, cli
+    from sparq_cpp.cli.main import cli
 
-    _register()
     r = CliRunner().invoke(cli, ["convert", str(ckpt), "--outtype", "q4_0", "-o", str(tmp_path / "x.gguf")])
     assert r.exit_code == 2 and "error: --outtype: unknown 'q4_0'" in r.output
     r = CliRunner().invoke(cli, ["convert", str(tmp_path / "missing")])
@@ -347,9 +346,8 @@ def test_cli_errors(tmp_path, ckpt):
 def test_cli_converts(tmp_path, ckpt):
     from click.testing import CliRunner
 
-    from sparq_cpp.cli.main import _register, cli
+    from sparq_cpp.cli.main import cli
 
-    _register()
     out = tmp_path / "m.q8_0.gguf"
     r = CliRunner().invoke(cli, ["convert", str(ckpt), "--outtype", "q8_0", "-o", str(out)])
     assert r.exit_code == 0, r.output
@@ -361,7 +359,7 @@ def test_gguf_imports_back_to_the_same_weights(tmp_path, n_head_kv, tied):
     """A converted model read back for training (--init MODEL.gguf): the same geometry and, from an
     f32 file, the same weights bit for bit (the q/k permutation undone); from q8_0, within its rounding."""
     from sparq_cpp.train.from_gguf import load_model
-    from sparq_cpp.train.run import TrainArgs, _warm_start, geometry
+    from sparq_cpp.train.run import TrainArgs, warm_start, geometry
 
     src = _random_model(n_head_kv, tied)
     ckpt = hf.save(src, tmp_path / "ckpt")
@@ -378,7 +376,7 @@ def test_gguf_imports_back_to_the_same_weights(tmp_path, n_head_kv, tied):
     flags = dict.fromkeys(["n_vocab", "n_embd", "n_head", "n_head_kv", "n_layer", "n_ff"])
     g = geometry(flags, path)
     assert g["n_head_kv"] == n_head_kv and g["n_embd"] == 64
-    model, init = _warm_start(TrainArgs(out=str(tmp_path / "out"), init=path, ctx=64, **g))
+    model, init = warm_start(TrainArgs(out=str(tmp_path / "out"), init=path, ctx=64, **g))
     assert init["checkpoint"] == path
     assert torch.equal(model.model.layers[1].self_attn.k_proj.weight, src.model.layers[1].self_attn.k_proj.weight)
 

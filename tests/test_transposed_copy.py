@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparq_cpp.pyext import ggml_ops
+from sparq_cpp.bindings import ggml_ops
 
 if not ggml_ops.has_sparq_attn():
     pytest.skip("the ggml build is not the patched one (set SPARQ_CPP_LIB_DIR to a patched build)",
@@ -27,7 +27,7 @@ def test_transposed_copy_into_wider_rows(src_type, dst_type, n_cells, n_embd, n_
     # K: [n_stream, kv_size, n_embd] row-major (ggml ne = n_embd, kv_size, n_stream)
     k = rng.standard_normal((n_stream, kv_size, n_embd)).astype(NP[src_type])
     sentinel = np.asarray(12345.0, dtype=NP[dst_type])
-    kt = ggml_ops._aligned(np.full((n_stream, n_embd, kv_size), sentinel, dtype=NP[dst_type]))  # used in place
+    kt = ggml_ops.aligned(np.full((n_stream, n_embd, kv_size), sentinel, dtype=NP[dst_type]))  # used in place
     with ggml_ops.Graph() as g:
         tk = g.tensor(k, src_type)
         tkt = g.tensor(kt, dst_type)

@@ -7,12 +7,17 @@
 """
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 
 import click
 
+from sparq_cpp import lazy
+from sparq_cpp.cli.runner import run_standalone
 from sparq_cpp.errors import SparqError
+from sparq_cpp.train import corpus, evaldata
+from sparq_cpp.train.card import measure, write_card
 
 
 @click.group()
@@ -24,8 +29,6 @@ def cli():
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def fetch(deb):
     """Fetch and check the training text (Jane Austen's novels, a Debian package)."""
-    from sparq_cpp.train import corpus
-
     novels = corpus.load_novels(deb)
     for title, text in novels.items():
         click.echo(f"{title}: {len(text)} characters")
@@ -70,15 +73,14 @@ def fetch(deb):
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def train(out, deb, init, **kw):
     """Train from scratch or from --init; writes a checkpoint (with training.json) at every evaluation."""
-    from sparq_cpp.train.run import GEOMETRY, TrainArgs, geometry, parse_fraction_ramp, parse_size_range, train as run
-
-    kw.update(geometry({k: kw.pop(k) for k in GEOMETRY}, init))
+    training = lazy.need("sparq_cpp.train.run", "training")  # torch
+    kw.update(training.geometry({k: kw.pop(k) for k in training.GEOMETRY}, init))
     if kw["n_embd"] % kw["n_head"] or kw["n_head"] % kw["n_head_kv"]:
         raise SparqError("n-embd must divide by n-head, and n-head by n-head-kv")
-    kw["p_rand"], kw["p_rand_end"] = parse_fraction_ramp(kw["p_rand"])
-    kw["rand_vocab"] = parse_size_range(kw["rand_vocab"]) if kw["rand_vocab"] else None
+    kw["p_rand"], kw["p_rand_end"] = training.parse_fraction_ramp(kw["p_rand"])
+    kw["rand_vocab"] = training.parse_size_range(kw["rand_vocab"]) if kw["rand_vocab"] else None
     command = "python -m sparq_cpp.train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    run(TrainArgs(out=out, init=init, **kw), command=command, deb=deb)
+    training.train(training.TrainArgs(out=out, init=init, **kw), command=command, deb=deb)
 
 
 @cli.command("eval-data")
@@ -87,8 +89,6 @@ def train(out, deb, init, **kw):
 def eval_data(out, deb):
     """Task files for `sparq-cpp eval` from the held-out text (the last 5% of each novel), and
     calibration text for `sparq-cpp calibrate` from the training text."""
-    from sparq_cpp.train import evaldata
-
     paths = evaldata.write(out, deb)
     calib = paths.pop("calib")
     click.echo("sparq-cpp eval " + " ".join(f"--data {task}={path}" for task, path in paths.items()))
@@ -105,10 +105,6 @@ def eval_data(out, deb):
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def eval_(gguf_path, ckpt, ctx, n_eval, threads, card, deb):
     """Validation loss and long-range task accuracy of a GGUF, through llama.cpp (dense)."""
-    import json
-
-    from sparq_cpp.train.card import measure, write_card
-
     result = measure(gguf_path, ctx=ctx, n_eval=n_eval, threads=threads, deb=deb)
     click.echo(json.dumps(result, indent=2))
     if card:
@@ -117,8 +113,6 @@ def eval_(gguf_path, ckpt, ctx, n_eval, threads, card, deb):
 
 
 def main():
-    from sparq_cpp.cli.main import run_standalone
-
     run_standalone(cli)
 
 

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import open_gguf
 from sparq_cpp.train import corpus, data, evaluate, hf
+from sparq_cpp.train.from_gguf import config_of, load_model
 from sparq_cpp.train.model import LlamaConfig, LlamaForCausalLM
 from sparq_cpp.train.tasks import TaskBuilder
 from sparq_cpp.train.tokenize import Tokenizer
@@ -76,18 +78,15 @@ def _is_gguf(init: str) -> bool:
 
 def _init_config(init: str) -> LlamaConfig:
     if _is_gguf(init):
-        from sparq_cpp.gguf_check import open_gguf
-        from sparq_cpp.train.from_gguf import config_of
         return config_of(open_gguf(Path(init)))
     return hf.load_config(init)
 
 
-def _warm_start(args: TrainArgs) -> tuple[LlamaForCausalLM, dict]:
+def warm_start(args: TrainArgs) -> tuple[LlamaForCausalLM, dict]:
     """The --init checkpoint's model (a checkpoint directory, or a GGUF model: its weights as stored,
     dequantized), with its KV heads mean-pooled down to args.n_head_kv if that is fewer (GQA
     "uptraining", Ainslie et al. 2023), and what training.json records about it."""
     if _is_gguf(args.init):
-        from sparq_cpp.train.from_gguf import load_model
         src = load_model(args.init)
     else:
         src = hf.load(args.init)
@@ -129,7 +128,7 @@ def parse_size_range(text: str) -> tuple[int, int]:
     return vals[0], vals[-1]
 
 
-def _p_rand(args: TrainArgs, step: int) -> float:
+def p_random_at(args: TrainArgs, step: int) -> float:
     if args.p_rand_end is None:
         return args.p_rand
     return args.p_rand + (args.p_rand_end - args.p_rand) * step / max(1, args.steps)
@@ -177,7 +176,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
 
     init = None
     if args.init:
-        model, init = _warm_start(args)
+        model, init = warm_start(args)
     else:
         model = LlamaForCausalLM(LlamaConfig(
             vocab_size=args.n_vocab, hidden_size=args.n_embd, intermediate_size=args.n_ff,
@@ -202,7 +201,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
                       "probe": {"ctx": args.ctx, "task_accuracy": {
                           k: round(v, 4) for k, v in evaluate.task_accuracy(model, probe_set).items()}},
                       "train_loss_ema": None if ema is None else round(ema, 4),
-                      "p_random": round(_p_rand(args, step), 4)}
+                      "p_random": round(p_random_at(args, step), 4)}
             history.append(record)
             _log(json.dumps(record))
             extra = {"command": command, "args": asdict(args), "data": corpus.SOURCE,
@@ -213,7 +212,7 @@ def train(args: TrainArgs, command: str = "", deb=None) -> dict:
             break
         for g in opt.param_groups:
             g["lr"] = _lr(args, step)
-        stream.p_rand = _p_rand(args, step)
+        stream.p_rand = p_random_at(args, step)
         ids = torch.from_numpy(stream.batch(args.batch)).long()
         loss = next_token_loss(model, ids, args.bf16)
         opt.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.tokenizer import _WORDS as _COMMON_WORDS
+from sparq_cpp.tokenizer import WORDS as COMMON_WORDS
 
 NL = 0x0A + 3  # the byte token <0x0A>: ids 3..258 are bytes in sparq_cpp.tokenizer's layout
 
@@ -58,7 +58,7 @@ class TaskBuilder:
         self._sep = np.array([NL, NL], np.int32)
         # words that are one token after a space; no piece spans a space, so a run of them is
         # tokenized back to the same ids
-        words = (encode(" " + w) for w in _COMMON_WORDS.split())
+        words = (encode(" " + w) for w in COMMON_WORDS.split())
         self.word_ids = np.array(sorted({int(t[0]) for t in words if len(t) == 1}), np.int32)
         if rand_vocab is not None and not 2 <= rand_vocab[0] <= rand_vocab[1] <= len(self.word_ids):
             raise SparqError(f"random-word vocabulary sizes must be in [2, {len(self.word_ids)}], not {rand_vocab}")

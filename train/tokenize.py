@@ -11,14 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-from sparq_cpp.llm import import_llama_cpp
+from sparq_cpp import lazy
 from sparq_cpp.modelfactory import write_model
 from sparq_cpp.tokenizer import BOS_ID, EOS_ID, build_vocab
 
 
 class Tokenizer:
     def __init__(self, n_vocab: int):
-        llama_cpp = import_llama_cpp()
+        llama_cpp = lazy.llama_cpp()
         self.n_vocab = n_vocab
         self.vocab = build_vocab(n_vocab)
         self.bos_id, self.eos_id = BOS_ID, EOS_ID

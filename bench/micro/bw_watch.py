@@ -32,7 +32,7 @@ from op_ab import sparq_graph  # noqa: E402
 from sparq_cpp.bench import machine  # noqa: E402
 from sparq_cpp.bench.op_bench import bytes_sparq  # noqa: E402
 from sparq_cpp.outfile import atomic_write, check_writable  # noqa: E402
-from sparq_cpp.pyext import ggml_ops as go  # noqa: E402
+from sparq_cpp.bindings import ggml_ops as go  # noqa: E402
 
 FLOOR_SRC = Path(__file__).with_name("sparq_floors.c")
 _FLOOR_LINE = re.compile(r"([0-9.]+) ms per layer .*?, ([0-9.]+) GB/s")

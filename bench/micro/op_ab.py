@@ -25,7 +25,7 @@ import click
 import numpy as np
 
 from sparq_cpp.bench.op_bench import random_layer
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 
 
 def sparq_graph(g: go.Graph, n_kv: int, n_head: int, n_head_kv: int, D: int, r: int, k: int, l: int, layers: int,

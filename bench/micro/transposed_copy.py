@@ -11,14 +11,14 @@ import time
 import click
 import numpy as np
 
-from sparq_cpp.pyext import ggml_ops as go
+from sparq_cpp.bindings import ggml_ops as go
 
 
 def measure(n_cells: int, width: int, reps: int = 7, threads: int = 2) -> dict:
     rng = np.random.default_rng(0)
-    k = go._aligned(rng.standard_normal((n_cells, width)).astype(np.float16))
-    kt = go._aligned(np.ones((width, n_cells), np.float16))
-    flat = go._aligned(np.ones((n_cells, width), np.float16))
+    k = go.aligned(rng.standard_normal((n_cells, width)).astype(np.float16))
+    kt = go.aligned(np.ones((width, n_cells), np.float16))
+    flat = go.aligned(np.ones((n_cells, width), np.float16))
     times = {"transposed": [], "plain": []}
     with go.Graph() as gt, go.Graph() as gp:
         gt.copy(gt.transpose(gt.tensor(k, "f16")), gt.tensor(kt, "f16"))

@@ -17,7 +17,7 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.reference import kernels
 
 
-def _check_inputs(q, k, v, mask, kv_pos):
+def check_inputs(q, k, v, mask, kv_pos):
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise SparqError(f"q, k, v must be 3-d, got {q.shape}, {k.shape}, {v.shape}")
     n_q, n_head, D = q.shape
@@ -43,7 +43,7 @@ class DenseAttention:
     name = "dense"
 
     def __call__(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
-        q, k, v, mask, kv_pos = _check_inputs(q, k, v, mask, kv_pos)
+        q, k, v, mask, kv_pos = check_inputs(q, k, v, mask, kv_pos)
         out = np.empty(q.shape, dtype=np.float32)
         kernels.dense_attention_kernel(q, k, v, mask, float(kq_scale), out)
         return out
@@ -52,7 +52,7 @@ class DenseAttention:
         return "DenseAttention()"
 
 
-def _check_int(name, value, lo, hi=None):
+def check_int(name, value, lo, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise SparqError(f"{name} must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -72,9 +72,9 @@ class SparQAttention:
     name = "sparq"
 
     def __init__(self, r, k, l=None, mean_value=True):
-        self.r = _check_int("r", r, 1)
-        self.k = _check_int("k", k, 1)
-        self.l = self.k // 4 if l is None else _check_int("l", l, 0, self.k)
+        self.r = check_int("r", r, 1)
+        self.k = check_int("k", k, 1)
+        self.l = self.k // 4 if l is None else check_int("l", l, 0, self.k)
         self.mean_value = bool(mean_value)
         self.last_selection = None
 
@@ -84,7 +84,7 @@ class SparQAttention:
         return self.r
 
     def __call__(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
-        q, k, v, mask, kv_pos = _check_inputs(q, k, v, mask, kv_pos)
+        q, k, v, mask, kv_pos = check_inputs(q, k, v, mask, kv_pos)
         r = self._r_for(q.shape[2])
         out = np.empty(q.shape, dtype=np.float32)
         sel = np.empty((q.shape[0], k.shape[1], min(self.k, k.shape[0])), dtype=np.int32)

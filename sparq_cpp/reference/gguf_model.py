@@ -89,7 +89,7 @@ def _field_value(reader: GGUFReader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _dequant(t) -> np.ndarray:
+def dequant_tensor(t) -> np.ndarray:
     if t.tensor_type not in SUPPORTED_WTYPES:
         raise SparqError(
             f"tensor {t.name} has type {t.tensor_type.name}; the reference supports only "
@@ -121,7 +121,7 @@ def load_llama(path: str | os.PathLike) -> LlamaModel:
             if required:
                 raise SparqError(f"GGUF tensor {name} missing: {path}")
             return None
-        return _dequant(t)
+        return dequant_tensor(t)
 
     n_layer = int(kv("block_count", required=True))
     n_embd = int(kv("embedding_length", required=True))

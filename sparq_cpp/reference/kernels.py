@@ -15,7 +15,7 @@ from numba import prange
 
 
 @numba.njit(cache=True)
-def _exact_attend(q, k, v, h, cells, kq_scale, y):
+def exact_attend(q, k, v, h, cells, kq_scale, y):
     """y[:] = softmax(kq_scale * q . K[cells, h]^T) . V[cells, h]  (float64 y, q one query head)."""
     n = cells.shape[0]
     D = q.shape[0]
@@ -52,13 +52,13 @@ def dense_attention_kernel(q, k, v, mask, kq_scale, out):
             out[t, j, :] = 0.0
             continue
         y = np.empty(D)
-        _exact_attend(q[t, j], k, v, j // g, cells, kq_scale, y)
+        exact_attend(q[t, j], k, v, j // g, cells, kq_scale, y)
         for d in range(D):
             out[t, j, d] = y[d]
 
 
 @numba.njit(cache=True)
-def _recency_order(cells, kv_pos):
+def recency_order(cells, kv_pos):
     """Visible-cell indices (into ``cells``) from most to least recent token position.
 
     Equal positions (only possible across sequences) fall back to the larger cell index first."""
@@ -130,7 +130,7 @@ def sparq_kernel(q, k, v, mask, kv_pos, kq_scale, r, topk, local, mean_value, ou
         if all_selected:
             chosen = np.arange(n)
         else:
-            rec = _recency_order(cells, kv_pos)
+            rec = recency_order(cells, kv_pos)
             s_sum = np.zeros(n)
             for jj in range(g):
                 for p in range(n):
@@ -158,7 +158,7 @@ def sparq_kernel(q, k, v, mask, kv_pos, kq_scale, r, topk, local, mean_value, ou
         y = np.empty(D)
         for jj in range(g):
             j = h * g + jj
-            _exact_attend(q[t, j], k, v, h, sel_cells, kq_scale, y)
+            exact_attend(q[t, j], k, v, h, sel_cells, kq_scale, y)
             if mean_value and not all_selected:
                 alpha = 0.0
                 for p in chosen:

@@ -15,8 +15,8 @@ import numpy as np
 from numba import prange
 
 from sparq_cpp.errors import SparqError
-from sparq_cpp.reference.attention import _check_inputs, _check_int
-from sparq_cpp.reference.kernels import _exact_attend, _recency_order
+from sparq_cpp.reference.attention import check_inputs, check_int
+from sparq_cpp.reference.kernels import exact_attend, recency_order
 
 
 @numba.njit(cache=True, parallel=True)
@@ -60,7 +60,7 @@ def loki_kernel(qr, kr, v, mask, kv_pos, kq_scale, d, topk, local, out, sel_out)
                     total += s[p]
                 for p in range(n):
                     s_sum[p] += s[p] / total
-            rec = _recency_order(cells, kv_pos)
+            rec = recency_order(cells, kv_pos)
             rest = rec[local:]  # most recent first, so the stable sort breaks ties towards recency
             key = np.empty(rest.shape[0])
             for p in range(rest.shape[0]):
@@ -74,7 +74,7 @@ def loki_kernel(qr, kr, v, mask, kv_pos, kq_scale, d, topk, local, out, sel_out)
         y = np.empty(D)
         for jj in range(g):
             j = h * g + jj
-            _exact_attend(qr[t, j], kr, v, h, sel_cells, kq_scale, y)  # q'.k'^T == q.k^T (P orthonormal)
+            exact_attend(qr[t, j], kr, v, h, sel_cells, kq_scale, y)  # q'.k'^T == q.k^T (P orthonormal)
             for c in range(D):
                 out[t, j, c] = y[c]
 
@@ -105,9 +105,9 @@ class LokiAttention:
     def __init__(self, projections, d, k, l=0):
         self.P = _as_bases(projections)
         self.D = self.P[0].shape[-1]
-        self.d = _check_int("d", d, 1, self.D)
-        self.k = _check_int("k", k, 1)
-        self.l = _check_int("l", l, 0, self.k)
+        self.d = check_int("d", d, 1, self.D)
+        self.k = check_int("k", k, 1)
+        self.l = check_int("l", l, 0, self.k)
         self.last_selection = None
 
     def rotate(self, q, k, layer):
@@ -125,7 +125,7 @@ class LokiAttention:
         return qr, kr
 
     def __call__(self, q, k, v, mask, kv_pos, kq_scale, layer=0):
-        q, k, v, mask, kv_pos = _check_inputs(q, k, v, mask, kv_pos)
+        q, k, v, mask, kv_pos = check_inputs(q, k, v, mask, kv_pos)
         qr, kr = self.rotate(q, k, layer)
         out = np.empty(q.shape, dtype=np.float32)
         sel = np.empty((q.shape[0], k.shape[1], min(self.k, k.shape[0])), dtype=np.int32)

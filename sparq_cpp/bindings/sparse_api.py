@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 
+from sparq_cpp import lazy
 from sparq_cpp.errors import SparqError
 
 LLAMA_SPARSE_ATTN_DENSE = 0
@@ -18,7 +19,9 @@ MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "lo
          "alisa": LLAMA_SPARSE_ATTN_ALISA}
 
 
-class _llama_sparse_attn_params(ctypes.Structure):
+class OwnParams(ctypes.Structure):
+    """This package's copy of llama_sparse_attn_params (llama.h), for a llama_cpp without the patched bindings."""
+
     _fields_ = [
         ("mode", ctypes.c_int),
         ("r", ctypes.c_int32),
@@ -34,80 +37,87 @@ class _llama_sparse_attn_params(ctypes.Structure):
     ]
 
 
-def _binding_struct():
+@lru_cache(maxsize=None)
+def params_struct():
     """llama_cpp's own llama_sparse_attn_params (the patched bindings have it, as a field of
-    llama_context_params), so that ours can be assigned to that field; this module's copy otherwise."""
+    llama_context_params), so that ours can be assigned to that field; this module's copy otherwise.
+    Looked up on first use (importing llama_cpp loads libllama); `llama_sparse_attn_params` names it."""
     try:
-        from llama_cpp import llama_cpp as raw
+        raw = lazy.llama_cpp("llama_cpp")
     except ImportError:
-        return _llama_sparse_attn_params
+        return OwnParams
     cls = getattr(raw, "llama_sparse_attn_params", None)
     if cls is None:
-        return _llama_sparse_attn_params
-    if [f[:2] for f in cls._fields_] != [f[:2] for f in _llama_sparse_attn_params._fields_]:
+        return OwnParams
+    if [f[:2] for f in cls._fields_] != [f[:2] for f in OwnParams._fields_]:
         raise SparqError("the installed llama_cpp's llama_sparse_attn_params differs from this package's; "
                          "run `make setup` to build the matching one")
     return cls
 
 
-llama_sparse_attn_params = _binding_struct()
+def __getattr__(name):  # sparse_api.llama_sparse_attn_params: the structure params_struct() finds
+    if name == "llama_sparse_attn_params":
+        return params_struct()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-_INT32_FIELDS = {name for name, ctype in llama_sparse_attn_params._fields_ if ctype is ctypes.c_int32}
+
+INT32_FIELDS = frozenset(name for name, ctype in OwnParams._fields_ if ctype is ctypes.c_int32)
 
 
-def fill(params: llama_sparse_attn_params, **values) -> llama_sparse_attn_params:
+def fill(params, **values):
     """Set fields of `params`. ctypes stores only the low 32 bits of an int32 field (2**32 + 5
     becomes 5), so a value that does not fit is refused here instead."""
     for name, value in values.items():
-        if name in _INT32_FIELDS and not -2**31 <= value <= 2**31 - 1:
+        if name in INT32_FIELDS and not -2**31 <= value <= 2**31 - 1:
             raise SparqError(f"{name} must be in {-2**31}..{2**31 - 1} (a C int32), got {value}")
         setattr(params, name, value)
     return params
 
 
 @lru_cache(maxsize=None)
-def _lib():
-    from llama_cpp import llama_cpp as raw
-
-    lib = raw._lib
+def lib():
+    """libllama with the sparse attention API's signatures declared; SparqError on a build without it."""
+    raw = lazy.llama_cpp("llama_cpp")
+    llama_sparse_attn_params = params_struct()
+    out = raw._lib
     try:
-        lib.llama_sparse_attn_default_params.restype = llama_sparse_attn_params
-        lib.llama_sparse_attn_default_params.argtypes = []
-        lib.llama_set_sparse_attn.restype = ctypes.c_int32
-        lib.llama_set_sparse_attn.argtypes = [ctypes.c_void_p, llama_sparse_attn_params]
-        lib.llama_get_sparse_attn.restype = ctypes.c_int32
-        lib.llama_get_sparse_attn.argtypes = [ctypes.c_void_p, ctypes.POINTER(llama_sparse_attn_params)]
-        lib.llama_sparse_attn_strerror.restype = ctypes.c_char_p
-        lib.llama_sparse_attn_strerror.argtypes = [ctypes.c_int32]
-        lib.llama_sparse_attn_parse.restype = ctypes.c_int32
-        lib.llama_sparse_attn_parse.argtypes = [ctypes.c_char_p, ctypes.POINTER(llama_sparse_attn_params),
+        out.llama_sparse_attn_default_params.restype = llama_sparse_attn_params
+        out.llama_sparse_attn_default_params.argtypes = []
+        out.llama_set_sparse_attn.restype = ctypes.c_int32
+        out.llama_set_sparse_attn.argtypes = [ctypes.c_void_p, llama_sparse_attn_params]
+        out.llama_get_sparse_attn.restype = ctypes.c_int32
+        out.llama_get_sparse_attn.argtypes = [ctypes.c_void_p, ctypes.POINTER(llama_sparse_attn_params)]
+        out.llama_sparse_attn_strerror.restype = ctypes.c_char_p
+        out.llama_sparse_attn_strerror.argtypes = [ctypes.c_int32]
+        out.llama_sparse_attn_parse.restype = ctypes.c_int32
+        out.llama_sparse_attn_parse.argtypes = [ctypes.c_char_p, ctypes.POINTER(llama_sparse_attn_params),
                                                 ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
         if "sparse_attn" not in dict(raw.llama_context_params._fields_):
             raise AttributeError("llama_context_params has no sparse_attn field")
-        lib.llama_sparse_attn_load_projection.restype = ctypes.c_int32
-        lib.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
-        lib.llama_sparse_attn_upkeep_n_cells.restype = ctypes.c_uint64
-        lib.llama_sparse_attn_upkeep_n_cells.argtypes = [ctypes.c_void_p]
+        out.llama_sparse_attn_load_projection.restype = ctypes.c_int32
+        out.llama_sparse_attn_load_projection.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_bool]
+        out.llama_sparse_attn_upkeep_n_cells.restype = ctypes.c_uint64
+        out.llama_sparse_attn_upkeep_n_cells.argtypes = [ctypes.c_void_p]
     except AttributeError as e:
         raise SparqError(f"the installed llama.cpp has no sparse attention API ({e}); "
                          "run `make setup` to build the patched one") from None
-    return lib
+    return out
 
 
 def available() -> bool:
     try:
-        _lib()
+        lib()
         return True
     except SparqError:
         return False
 
 
-def default_params() -> llama_sparse_attn_params:
-    return _lib().llama_sparse_attn_default_params()
+def default_params():
+    return lib().llama_sparse_attn_default_params()
 
 
 def strerror(code: int) -> str:
-    return _lib().llama_sparse_attn_strerror(code).decode()
+    return lib().llama_sparse_attn_strerror(code).decode()
 
 
 def as_dict(params) -> dict:
@@ -117,21 +127,21 @@ def as_dict(params) -> dict:
     return out
 
 
-def parse(spec: str) -> llama_sparse_attn_params:
+def parse(spec: str):
     """llama.cpp's own reading of a setting string ("sparq:r=8,k=32", as --sparse-attn takes it); a
     malformed one raises SparqError with its message. The result keeps its projection path alive."""
     out = default_params()
     proj = ctypes.create_string_buffer(4096)
     err = ctypes.create_string_buffer(512)
-    if _lib().llama_sparse_attn_parse(spec.encode(), ctypes.byref(out), proj, len(proj), err, len(err)) != 0:
+    if lib().llama_sparse_attn_parse(spec.encode(), ctypes.byref(out), proj, len(proj), err, len(err)) != 0:
         shown = spec if len(spec) <= 64 else spec[:61] + "..."
         raise SparqError(f"sparse attention setting {shown!r}: {err.value.decode(errors='replace')}")
     out._proj = proj  # out.loki_proj points into it
     return out
 
 
-def set_params(ctx, params: llama_sparse_attn_params) -> None:
-    code = _lib().llama_set_sparse_attn(ctx, params)
+def set_params(ctx, params) -> None:
+    code = lib().llama_set_sparse_attn(ctx, params)
     if code != 0:
         raise SparqError(strerror(code))
 
@@ -139,12 +149,12 @@ def set_params(ctx, params: llama_sparse_attn_params) -> None:
 def upkeep_n_cells(ctx) -> int:
     """Rows of K and of V (per layer) that SparQ's cache upkeep has read since the context was created
     (a rebuild of K^T or of the V sums counts every used cell, an edit the cells it touched)."""
-    return int(_lib().llama_sparse_attn_upkeep_n_cells(ctx))
+    return int(lib().llama_sparse_attn_upkeep_n_cells(ctx))
 
 
-def get_params(ctx) -> llama_sparse_attn_params:
-    out = llama_sparse_attn_params()
-    code = _lib().llama_get_sparse_attn(ctx, ctypes.byref(out))
+def get_params(ctx):
+    out = params_struct()()
+    code = lib().llama_get_sparse_attn(ctx, ctypes.byref(out))
     if code != 0:
         raise SparqError(strerror(code))
     return out

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from sparq_cpp.errors import SparqError
 
@@ -209,14 +211,10 @@ def has_sparq_attn(directory: Path | None = None) -> bool:
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """Q8_0 bytes of x (last dim a multiple of 32) as uint8 [..., n/32*34], via gguf.quants."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
     return quantize(np.ascontiguousarray(x, dtype=np.float32), GGMLQuantizationType.Q8_0)
 
 
 def dequantize_q8_0(b: np.ndarray) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
     return dequantize(b, GGMLQuantizationType.Q8_0).astype(np.float32)
 
 
@@ -281,9 +279,9 @@ class Graph:
 
     def tensor(self, data: np.ndarray, type_name: str, ne: tuple[int, ...] | None = None):
         """A tensor over ``data`` (already encoded for type_name), or over a 64-byte aligned copy of it
-        where it is not aligned (see _aligned). ne defaults to data.shape reversed (for q8_0 the last axis
+        where it is not aligned (see aligned). ne defaults to data.shape reversed (for q8_0 the last axis
         is bytes: ne0 = bytes/34*32)."""
-        data = _aligned(np.ascontiguousarray(data))
+        data = aligned(np.ascontiguousarray(data))
         if ne is None:
             shape = list(data.shape[::-1])
             if type_name == "q8_0":
@@ -369,7 +367,7 @@ class Graph:
 # High-level helpers in the reference's layout
 
 
-def _aligned(data: np.ndarray, align: int = 64) -> np.ndarray:
+def aligned(data: np.ndarray, align: int = 64) -> np.ndarray:
     """data at an address that is a multiple of align, copied if it is not: ggml allocates its CPU buffers
     64-byte aligned (ggml_aligned_malloc), numpy only 16, and a kernel that reads scattered rows touches one
     cache line more per row when they straddle lines."""
