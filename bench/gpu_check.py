@@ -46,6 +46,7 @@ from pathlib import Path
 import click
 import gguf
 
+from sparq_cpp.pyext.build import installed_build
 from sparq_cpp.pyext.patchtree import patch_tree, series, series_hash
 from sparq_cpp.pyext.upstream import REPO_ROOT, fetch_sdist, unpack_sdist
 
@@ -1022,10 +1023,6 @@ echo "summary: $LOGS/summary.json ($(elapsed)s of ${BUDGET}s)"
 
 
 def installed_tree() -> Path | None:
-    try:
-        from sparq_cpp.pyext.build import installed_build
-    except ImportError:
-        return None
     rec = installed_build()
     if not rec or rec.get("series_hash") != series_hash():
         return None

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
+from tqdm import tqdm
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import cuda as pcuda
@@ -118,8 +119,6 @@ class Build:
 
 def _run_with_progress(cmd: list[str], env: dict, log_path: Path, desc: str) -> None:
     """Run the build, showing ninja's [n/N] progress as a bar; on failure, the log's tail."""
-    from tqdm import tqdm
-
     bar = tqdm(total=1, desc=desc, unit="step", disable=not sys.stderr.isatty())
     step = re.compile(rb"\[(\d+)/(\d+)\]")
     with open(log_path, "wb") as log, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,

@@ -193,6 +193,20 @@ def _llama_class():
                     super().eval(keep)
             super().eval(tokens)
 
+        def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+            """llama_cpp's tokenize, with a buffer sized by the text: llama-cpp-python sizes it by the model's
+            training context, 8 GiB for a file that claims 2^31 tokens. A text of n bytes has at most n + 2."""
+            lc = lazy.llama_cpp()
+            n_max = len(text) + 8
+            while True:
+                buf = (lc.llama_token * n_max)()
+                n = lc.llama_tokenize(self._model.vocab, text, len(text), buf, n_max, add_bos, special)
+                if n >= 0:
+                    return list(buf[:n])
+                if -n <= n_max:
+                    raise SparqError(f"llama.cpp could not tokenize the text ({n})")
+                n_max = -n
+
         def close(self) -> None:
             if hasattr(self, "_stack"):  # a constructor that raised leaves nothing to close
                 super().close()

@@ -66,3 +66,19 @@ def test_stock_tool_refuses_without_a_signal(tiny, tmp_path, changes, python_mes
                            "-c", "128", "-t", "1"], capture_output=True, text=True, errors="replace", timeout=120,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-1500:])
+
+
+def test_a_huge_training_context_does_not_size_the_tokenizer_buffer(tiny, tmp_path):
+    """llama-cpp-python sizes its tokenize buffer by the training context: context_length = 2^31-1 allocated
+    8 GiB and stalled for half a minute per call. sparq_cpp.Llama sizes it by the text."""
+    import sys
+
+    big = rewrite_gguf(tiny, tmp_path / "big.gguf", {"llama.context_length": 2**31 - 1})
+    code = ("import resource, sys, time; from sparq_cpp import Llama; llm = Llama(sys.argv[1], n_ctx=256); "
+            "t0 = time.time(); toks = llm.tokenize(b'hello world, once upon a time'); "
+            "print(len(toks), time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    proc = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n, seconds, max_rss_kib = proc.stdout.split()
+    assert int(n) > 1 and float(seconds) < 1.0
+    assert int(max_rss_kib) < 2 * 2**20, f"max RSS {int(max_rss_kib) / 2**20:.1f} GiB"
