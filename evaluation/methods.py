@@ -154,6 +154,18 @@ class LlamaSession:
             out.append(self._last_logits(len(batch)))
         return np.concatenate(out)
 
+    def score(self, tokens, targets) -> np.ndarray:
+        """Bits (-log2 p) of targets[i] given tokens[:i + 1], the tokens fed one decode step each: one row of
+        logits is held at a time, so memory does not grow with the vocabulary times the context (the context
+        needs no logits_all)."""
+        bits = np.empty(len(targets))
+        for i, (token, target) in enumerate(zip(tokens, targets, strict=True)):
+            self.llm.eval([token])
+            x = self._last_logits(1)[0].astype(np.float64)
+            m = x.max()
+            bits[i] = (m + np.log(np.exp(x - m).sum()) - x[target]) / np.log(2.0)
+        return bits
+
     def close(self):
         self.llm.close()
 

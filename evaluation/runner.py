@@ -190,7 +190,7 @@ def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model, alisa_c=None):
         if spec.backend == "llama":
             sessions[key] = LlamaSession(cfg.model_path, spec.method, n_ctx=n_ctx, cache_type=cfg.cache_type,
                                          threads=cfg.threads, mean_value=mean_value,
-                                         loki_projection=cfg.loki_projection, logits_all=(kind == "score"),
+                                         loki_projection=cfg.loki_projection,
                                          alisa_c=alisa_c)
         else:
             if cfg.cache_type not in ("f32", "f16"):
@@ -221,8 +221,11 @@ def _run_one(session, spec, target, sample, tok, D, cfg, mean_value, skipped):
            "target": target, "params": with_mean_value(params, mean_value) if spec.method == "sparq" else params,
            "S": S, "meta": sample.meta}
     if sample.kind == "score":
-        logits = session.feed([sample.prompt[-1]] + sample.target[:-1])
-        bits = nll_bits(logits, sample.target)
+        fed = [sample.prompt[-1]] + sample.target[:-1]
+        if isinstance(session, LlamaSession):  # one decode step per token, one row of logits at a time
+            bits = session.score(fed, sample.target)
+        else:  # the reference returns the fed tokens' logits only
+            bits = nll_bits(session.feed(fed), sample.target)
         steps = [S + i for i in range(len(sample.target))]
         rec.update(score=float(bits.sum() / max(sample.n_chars, 1)), bits=float(bits.sum()), chars=sample.n_chars,
                    tokens=len(sample.target))
