@@ -1,16 +1,5 @@
-"""The Loki projection GGUF: write it, or embed it into a model copy (sparq_cpp.projection reads it back).
-
-Tensors (f32, never quantized: llama-quantize only touches names ending in "weight"):
-  blk.<il>.loki_proj_pre, blk.<il>.loki_proj_post  numpy [n_head_kv, D, D] = P_h^T per KV head
-  blk.<il>.loki_var_pre,  blk.<il>.loki_var_post   numpy [n_head_kv, D], explained variance
-                                                   (covariance eigenvalues) per component
-numpy shape is ggml ne reversed, so a head's matrix is ggml [D, D] with row j = column j of P_h;
-ggml_mul_mat(proj, k) computes out[j] = sum_i proj[h, j, i] * k[i] = sum_i P_h[i, j] * k[i],
-i.e. k' = k P_h. Metadata: loki.* keys (below), including the identity of the model they belong to.
-Models with sliding-window layers (gemma3) are calibrated on their full-attention layers only: every
-layer still has its tensors, the window layers' holding the identity and zero variance, and
-loki.calibrated_layers (u32 array) lists the calibrated ones. llama.cpp skips window layers' bases.
-"""
+"""The Loki projection GGUF: write it, or embed it into a model copy. The format (tensors, loki.* keys, the
+model identity) is described, and read back with every check, in sparq_cpp.projection."""
 from __future__ import annotations
 
 from pathlib import Path
