@@ -173,10 +173,10 @@ def test_c_api_refuses_a_foreign_projection(models):
     llm = Llama(path, Dense(), n_ctx=64)
     lib = sparse_api.lib()
     model = llm._model.model
-    assert lib.llama_sparse_attn_load_projection(model, str(gqa_proj).encode(), False) == -16
-    assert lib.llama_sparse_attn_load_projection(model, str(path).encode(), False) == -16  # not a projection
-    assert lib.llama_sparse_attn_load_projection(model, None, False) == -16  # nothing embedded
-    assert "projection" in sparse_api.strerror(-16)
+    assert lib.llama_sparse_attn_load_projection(model, str(gqa_proj).encode(), False) == sparse_api.LLAMA_SPARSE_ATTN_ERR_PROJECTION
+    assert lib.llama_sparse_attn_load_projection(model, str(path).encode(), False) == sparse_api.LLAMA_SPARSE_ATTN_ERR_PROJECTION  # not a projection
+    assert lib.llama_sparse_attn_load_projection(model, None, False) == sparse_api.LLAMA_SPARSE_ATTN_ERR_PROJECTION  # nothing embedded
+    assert "projection" in sparse_api.strerror(sparse_api.LLAMA_SPARSE_ATTN_ERR_PROJECTION)
     # creating a Loki context with the foreign file fails in C too
     p = sparse_api.default_params()
     p.mode = sparse_api.LLAMA_SPARSE_ATTN_LOKI

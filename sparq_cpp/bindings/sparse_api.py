@@ -17,6 +17,7 @@ LLAMA_SPARSE_ATTN_LOKI = 2
 LLAMA_SPARSE_ATTN_ALISA = 3
 MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "loki": LLAMA_SPARSE_ATTN_LOKI,
          "alisa": LLAMA_SPARSE_ATTN_ALISA}
+LLAMA_SPARSE_ATTN_ERR_PROJECTION = -17  # Loki projection missing, unreadable, or not made for this model
 
 
 class OwnParams(ctypes.Structure):
