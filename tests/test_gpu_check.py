@@ -105,6 +105,7 @@ def test_dry_run_plans_every_stage(bundle, tmp_path):
     assert all(s["status"] == "planned" for s in longer["stages"])
     profile = "\n".join(_stage(longer, "profile")["commands"])
     assert "--print-summary per-kernel" in profile and "sparq-op-bench -b CUDA0" in profile
+    assert "--ops sparq,flash" in profile  # the composed path's many small kernels stay out of the profile
     printed = summary["printed"]
     assert "dry run: nothing is executed" in printed
     for name in gpu_check.STAGES:
@@ -175,6 +176,7 @@ fi
     "sparq-op-bench": r"""#!/bin/bash
 echo "backend CUDA0, 8 layers"
 echo "op=sparq type=f16 nh=8 kv=32768 layers=8 us_per_layer=50.00 bytes_per_layer=8650752 gb_s=173.0"
+echo "op=sparq-composed type=f16 nh=8 kv=32768 layers=8 us_per_layer=200.00 bytes_per_layer=8650752 gb_s=43.3 scratch_bytes_per_layer=33554432"
 echo "op=flash type=f16 nh=8 kv=32768 layers=8 us_per_layer=100.00 bytes_per_layer=134217728 gb_s=1342.2"
 echo "op=sparq type=q8_0 nh=32 kv=4096 layers=8 not supported or failed"
 exit 1
@@ -263,6 +265,8 @@ def test_stages_run_past_failures(tmp_path):
     assert ob["flash_attn"][0]["us_per_run"] == 100.00
     assert ob["layered"] == [
         {"op": "sparq", "case": "type=f16 nh=8 kv=32768", "us_per_layer": 50.0, "gb_s": 173.0, "speedup_over_flash": 2.0},
+        {"op": "sparq-composed", "case": "type=f16 nh=8 kv=32768", "us_per_layer": 200.0, "gb_s": 43.3,
+         "speedup_over_flash": 0.5, "speedup_over_fused": 0.25, "scratch_bytes_per_layer": 33554432},
         {"op": "flash", "case": "type=f16 nh=8 kv=32768", "us_per_layer": 100.0, "gb_s": 1342.2}]
     assert st["opbench"]["status"] == "failed"  # the op bench's unsupported case
     assert st["bandwidth"]["numbers"]["copy_gb_s"] == 2950.5
@@ -402,8 +406,8 @@ def test_op_bench_runs_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("op=")]
-    assert [ln.split()[:2] for ln in lines] == [["op=sparq", "type=f16"], ["op=flash", "type=f16"],
-                                                ["op=sparq", "type=q8_0"], ["op=flash", "type=q8_0"]]
+    assert [ln.split()[:2] for ln in lines] == [[f"op={op}", f"type={t}"] for t in ("f16", "q8_0")
+                                                for op in ("sparq", "sparq-composed", "flash")]
     assert all("layers=2" in ln and "us_per_layer=" in ln for ln in lines)
     # what the opbench stage makes of them
     env = {**os.environ, "OUT": str(tmp_path / "out")}
@@ -414,8 +418,9 @@ def test_op_bench_runs_on_the_cpu(tmp_path):
     gpu_check.write_run_sh(tmp_path / "b")
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
     cases = json.loads(out.stdout)
-    assert [c["op"] for c in cases] == ["sparq", "flash", "sparq", "flash"]
-    assert all(c["speedup_over_flash"] > 0 for c in cases if c["op"] == "sparq")
+    assert [c["op"] for c in cases] == ["sparq", "sparq-composed", "flash"] * 2
+    assert all(c["speedup_over_flash"] > 0 for c in cases if c["op"] != "flash")
+    assert all(c["speedup_over_fused"] > 0 and c["scratch_bytes_per_layer"] > 0 for c in cases if c["op"] == "sparq-composed")
 
 
 @pytest.mark.slow
