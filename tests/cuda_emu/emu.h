@@ -60,12 +60,19 @@ struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return { x, y }; }
 struct half { uint16_t bits; };
 inline float __half2float(half h) { return ggml_fp16_to_fp32(h.bits); }
+struct half2 { half x, y; };
+inline float2 __half22float2(half2 h) { return { __half2float(h.x), __half2float(h.y) }; }
 
 inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int) x); }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+// shared and global memory alike (blocks run one after another, so a grid's atomics on global memory are exact)
 inline int atomicAdd(int * p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicOr(unsigned * p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicMax(unsigned * p, unsigned v) { unsigned o = *p; *p = o > v ? o : v; return o; }
 
 // one OS thread: the CUDA threads of a block are fibers run in turn until each is done or waits at a barrier;
 // a warp barrier opens when every lane of the warp that has not exited waits at it, the block barrier when every
@@ -113,6 +120,10 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int off, int width
     const int lane = threadIdx.x % 32;
     (void) width;
     return emu_from_lane(v, lane ^ off);
+}
+template <typename T> inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+    (void) width;
+    return emu_from_lane(v, src);
 }
 template <typename T> inline T __shfl_up_sync(unsigned, T v, int off, int width = 32) {
     const int lane = threadIdx.x % 32;
