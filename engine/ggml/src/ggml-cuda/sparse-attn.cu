@@ -9,11 +9,13 @@
 //        approximate scores of the visible cells (SparQ: r rows of the transposed copy kt, read coalesced; Loki: the
 //        d-prefix of each K row), written to scratch, and per chunk and query head the max and sum of exp(score - max)
 //   2b. vsum    (only for the mean value without a vmean tensor) the sum of V over each chunk's visible cells
-//   3. select   (grid: kv head x row, one block)
+//   3. select   (3a-3c grid: tile of cells x kv head x row; 3d: kv head x row, one block)
 //        the softmax over all visible cells from the chunk statistics, s = sum_j softmax_j, then the n_local most
 //        recent visible cells (by position, then cell) and the top (top_k - n_local) of the others by (s, position,
-//        cell), both by a deterministic radix select (8-bit digits over the composite key, histograms in shared
-//        memory, no sort); the selection is written in cell order, with alpha_j = the approximate mass it holds
+//        cell), both by a deterministic radix select: two 11-bit digits of s and one of the distance to the largest
+//        position by histograms over the whole grid (global atomics on integer counts), then the candidates that
+//        these leave (about top_k and n_local) finished by one block; the selection is written in cell order, with
+//        alpha_j = the approximate mass it holds (details above sparse_attn_sel_keys)
 //   4. attend   (grid: split of the selection x kv head x row)
 //        exact attention of the whole group over a slice of the selected rows: each K and V row is read from global
 //        memory once per kv head and converted once (fattn-common.cuh's dequantizers), then used by all g heads
@@ -28,6 +30,15 @@
 #define SPARSE_ATTN_CHUNK          256   // kv cells per scoring block
 #define SPARSE_ATTN_SCORE_THREADS  128   // SPARSE_ATTN_CHUNK/2 cells per thread
 #define SPARSE_ATTN_SELECT_THREADS 512
+#define SPARSE_ATTN_TILE_THREADS   256   // the selection's tile kernels
+#define SPARSE_ATTN_SEL_TILE_MAX   4096  // kv cells per tile of the selection (at least SPARSE_ATTN_TILE_THREADS)
+// the selection's state per (kv head, row): three histograms of 11-bit digits, then the counters
+#define SPARSE_ATTN_SEL_BINS       2048
+#define SPARSE_ATTN_SEL_H0         0
+#define SPARSE_ATTN_SEL_H1         SPARSE_ATTN_SEL_BINS
+#define SPARSE_ATTN_SEL_HL         (2*SPARSE_ATTN_SEL_BINS)
+#define SPARSE_ATTN_SEL_CNT        (3*SPARSE_ATTN_SEL_BINS)   // n_vis, n_valid, largest position key, n TC, n LC, LC's bin
+#define SPARSE_ATTN_SEL_STATE_INTS (3*SPARSE_ATTN_SEL_BINS + 8)
 #define SPARSE_ATTN_ATTEND_THREADS 128
 #define SPARSE_ATTN_COMBINE_THREADS 128
 #define SPARSE_ATTN_PREP_THREADS   256
@@ -80,6 +91,10 @@ struct sparse_attn_params {
     int n_sel_max;    // min(top_k, n_kv)
     int split;        // selected rows per block of the exact attention
     int n_split;
+    int sel_tile;     // kv cells per block of the selection's tile kernels (a multiple of SPARSE_ATTN_TILE_THREADS)
+    int n_tile;
+    int n_words;      // 32-bit words of a bitmap over the cells
+    int kt_vec;       // kt's rows and strides allow loads of two adjacent cells
 };
 
 struct sparse_attn_row {
@@ -112,6 +127,15 @@ static __device__ __forceinline__ float sparse_attn_to_f32(const float x) {
     return x;
 }
 
+// cells i and i + 1 (i even) of a row of kt, in one load (kt_vec: the row is aligned to two cells)
+static __device__ __forceinline__ float2 sparse_attn_load_pair(const half * row, const int i) {
+    return __half22float2(*(const half2 *) (row + i));
+}
+
+static __device__ __forceinline__ float2 sparse_attn_load_pair(const float * row, const int i) {
+    return *(const float2 *) (row + i);
+}
+
 // elements i0 and i0 + 1 (i0 even) of a K or V row as f32, with the dequantizers of the flash attention kernels
 template <ggml_type type>
 static __device__ __forceinline__ float2 sparse_attn_load2(const char * __restrict__ row, const int i0) {
@@ -130,7 +154,7 @@ static __device__ __forceinline__ float2 sparse_attn_load2(const char * __restri
 // 1. prepare: the ranking components and the scaled query components of every query head of the group
 
 static __global__ void __launch_bounds__(SPARSE_ATTN_PREP_THREADS) sparse_attn_prepare(
-        const sparse_attn_params p, int * __restrict__ comp, float * __restrict__ qsel) {
+        const sparse_attn_params p, int * __restrict__ comp, float * __restrict__ qsel, int * __restrict__ state) {
     const int h  = blockIdx.x;
     const int rl = blockIdx.y;
     const int g  = p.g;
@@ -144,6 +168,12 @@ static __global__ void __launch_bounds__(SPARSE_ATTN_PREP_THREADS) sparse_attn_p
     const sparse_attn_row rw = sparse_attn_row_of(p, rl);
 
     float * qs = qsel + ((size_t) rl*p.n_head + (size_t) h*g)*p.r_pad;
+
+    // the selection's histograms and counters, added to by its tile kernels
+    int * st = state + ((size_t) rl*p.n_head_kv + h)*SPARSE_ATTN_SEL_STATE_INTS;
+    for (int t = tid; t < SPARSE_ATTN_SEL_STATE_INTS; t += blockDim.x) {
+        st[t] = 0;
+    }
 
     if (p.rank == GGML_SPARSE_ATTN_RANK_LOKI) {
         // q is in the principal basis already: its first d components
@@ -257,13 +287,16 @@ static __global__ void __launch_bounds__(SPARSE_ATTN_SCORE_THREADS) sparse_attn_
     const sparse_attn_row rw = sparse_attn_row_of(p, rl);
     const uint16_t * mrow = sparse_attn_mask_row(p, rw);
 
+    // SparQ: two adjacent cells per thread, one load of both from each row of kt; Loki: cells tid and tid + 128 (each
+    // thread reads whole K rows)
     int  ic[2];
     bool vis[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-        ic[u]  = chunk*SPARSE_ATTN_CHUNK + u*SPARSE_ATTN_SCORE_THREADS + tid;
+        ic[u]  = chunk*SPARSE_ATTN_CHUNK + (rank == GGML_SPARSE_ATTN_RANK_SPARQ ? 2*tid + u : u*SPARSE_ATTN_SCORE_THREADS + tid);
         vis[u] = ic[u] < p.n_kv && mrow[ic[u]] != SPARSE_ATTN_MASK_NINF;
     }
+    const bool pair = p.kt_vec && ic[1] < p.n_kv;
 
     float * sc = scores + ((size_t) rl*p.n_head + (size_t) h*g)*p.n_kv;
     float2 * st = stats + ((size_t) rl*p.n_head + (size_t) h*g)*p.n_chunk + chunk;
@@ -281,12 +314,23 @@ static __global__ void __launch_bounds__(SPARSE_ATTN_SCORE_THREADS) sparse_attn_
         if constexpr (rank == GGML_SPARSE_ATTN_RANK_SPARQ) {
             // r rows of kt: consecutive threads read consecutive cells
             const char * ktb = p.kt + h*p.nbkt2 + rw.iq3*p.nbkt3;
+#pragma unroll 4
             for (int c = 0; c < p.r; ++c) {
                 const kt_t * row = (const kt_t *) (ktb + (size_t) cs[c]*p.nbkt1);
                 float x[2];
+                if (pair) {
+                    const float2 xx = sparse_attn_load_pair(row, ic[0]);
+                    x[0] = xx.x;
+                    x[1] = xx.y;
+                } else {
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        x[u] = ic[u] < p.n_kv ? sparse_attn_to_f32(row[ic[u]]) : 0.0f;
+                    }
+                }
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
-                    x[u] = vis[u] ? sparse_attn_to_f32(row[ic[u]]) : 0.0f;
+                    x[u] = vis[u] ? x[u] : 0.0f;
                 }
 #pragma unroll
                 for (int jj = 0; jj < GS; ++jj) {
@@ -514,52 +558,6 @@ static __device__ void sparse_attn_kth_largest(const F & get, const int n, int k
     __syncthreads(); // hist and sh are reused
 }
 
-// the indices i < n with pred(i), in increasing order, to out; returns their number. Each thread takes a contiguous
-// range of indices: it counts, one block scan gives its offset, it writes (two barriers in all, not per tile)
-template <typename F>
-static __device__ int sparse_attn_compact(const F & pred, const int n, int * __restrict__ out, int * sh) {
-    const int tid   = threadIdx.x;
-    const int lane  = tid % WARP_SIZE;
-    const int warp  = tid / WARP_SIZE;
-    const int nwarp = blockDim.x / WARP_SIZE;
-
-    const int per = (n + blockDim.x - 1)/blockDim.x;
-    const int i0  = min(n, tid*per);
-    const int i1  = min(n, i0 + per);
-
-    int c = 0;
-    for (int i = i0; i < i1; ++i) {
-        c += pred(i) ? 1 : 0;
-    }
-
-    const int incl = warp_prefix_inclusive_sum<int>(c);
-    if (lane == WARP_SIZE - 1) {
-        sh[warp] = incl;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const int v  = lane < nwarp ? sh[lane] : 0;
-        const int vi = warp_prefix_inclusive_sum<int>(v);
-        if (lane < nwarp) {
-            sh[lane] = vi - v;
-        }
-        if (lane == WARP_SIZE - 1) {
-            sh[WARP_SIZE] = vi;
-        }
-    }
-    __syncthreads();
-
-    int o = sh[warp] + incl - c;
-    for (int i = i0; i < i1; ++i) {
-        if (pred(i)) {
-            out[o++] = i;
-        }
-    }
-    const int total = sh[WARP_SIZE];
-    __syncthreads(); // sh is reused
-    return total;
-}
-
 // key of a visible cell: 0 not visible, 1 visible with a score that is NaN, else 2 + the bits of s (s >= 0, so the
 // bits order like the values)
 static __device__ __forceinline__ uint32_t sparse_attn_score_key(const float s) {
@@ -567,37 +565,19 @@ static __device__ __forceinline__ uint32_t sparse_attn_score_key(const float s) 
     return u > 0x7F800000u ? 1u : u + 2u;
 }
 
-static __global__ void __launch_bounds__(SPARSE_ATTN_SELECT_THREADS) sparse_attn_select(
-        const sparse_attn_params p, const float * __restrict__ scores, const float2 * __restrict__ stats,
-        uint32_t * __restrict__ keys, int * __restrict__ sel, int4 * __restrict__ info, float * __restrict__ alpha) {
-    const int h  = blockIdx.x;
-    const int rl = blockIdx.y;
-    const int g  = p.g;
+// a cell's position as an unsigned word that orders like the signed position
+static __device__ __forceinline__ uint32_t sparse_attn_pos_key(const int32_t pos) {
+    return (uint32_t) pos ^ 0x80000000u;
+}
 
-    const int tid   = threadIdx.x;
-    const int lane  = tid % WARP_SIZE;
-    const int warp  = tid / WARP_SIZE;
+// the softmax over the visible cells, per query head of the group, from the chunk statistics: max and 1/sum
+static __device__ void sparse_attn_softmax_factors(const sparse_attn_params & p, const float2 * __restrict__ stats,
+        const int h, const int rl, float * sM, float * siZ) {
+    const int lane  = threadIdx.x % WARP_SIZE;
+    const int warp  = threadIdx.x / WARP_SIZE;
     const int nwarp = blockDim.x / WARP_SIZE;
-
-    __shared__ float sM[SPARSE_ATTN_MAX_G];
-    __shared__ float siZ[SPARSE_ATTN_MAX_G];
-    __shared__ int   hist[256];
-    __shared__ int   sh[WARP_SIZE + 1];
-    __shared__ int   redi[WARP_SIZE];
-    __shared__ float redf[WARP_SIZE];
-
-    const sparse_attn_row rw = sparse_attn_row_of(p, rl);
-    const uint16_t * mrow = sparse_attn_mask_row(p, rw);
-    const int32_t  * prow = sparse_attn_pos_row(p, rw);
-
-    const int     n_kv = p.n_kv;
-    const float * sc   = scores + ((size_t) rl*p.n_head + (size_t) h*g)*n_kv;
-    uint32_t    * key  = keys   + ((size_t) rl*p.n_head_kv + h)*n_kv;
-    int         * out  = sel    + ((size_t) rl*p.n_head_kv + h)*p.n_sel_max;
-
-    // the softmax over the visible cells, per query head, from the chunk statistics
-    for (int j = warp; j < g; j += nwarp) {
-        const float2 * st = stats + ((size_t) rl*p.n_head + (size_t) h*g + j)*p.n_chunk;
+    for (int j = warp; j < p.g; j += nwarp) {
+        const float2 * st = stats + ((size_t) rl*p.n_head + (size_t) h*p.g + j)*p.n_chunk;
         float m = -INFINITY;
         for (int c = lane; c < p.n_chunk; c += WARP_SIZE) {
             if (st[c].y > 0.0f) {
@@ -618,23 +598,415 @@ static __global__ void __launch_bounds__(SPARSE_ATTN_SELECT_THREADS) sparse_attn
         }
     }
     __syncthreads();
+}
 
-    // s = sum_j softmax_j of every visible cell, as a key
-    int nv = 0;
-    for (int i = tid; i < n_kv; i += blockDim.x) {
+// The selection is split over the whole grid (tile kernels: tiles of sel_tile cells x kv head x row), so that one
+// row at batch 1 fills the GPU, with a global histogram of 11-bit digits per (kv head, row) in scratch (state):
+//
+//   3a. keys    s = sum_j softmax_j of every visible cell as a key, the visibility bitmap, the counts of visible
+//               cells and of cells with a score that is not NaN ("valid"), the largest position, and the histogram
+//               H0 of the key's bits 31..21 over the valid cells
+//   3b. hist    the boundary bin b0 of the M-th largest valid key (M = min(top_k, n_valid)) from H0, the histogram
+//               H1 of bits 20..10 over the valid cells of bin b0; the histogram HL of the distance to the largest
+//               position (2047 and above in one bin) over the visible cells
+//   3c. gather  the cells whose 22-bit key prefix is at least that of the M-th largest (TC: the top M and the
+//               boundary bin's cells), and the visible cells no farther from the largest position than the n_local-th
+//               nearest (LC), appended to two lists (in no particular order: nothing later depends on it)
+//   3d. select  (one block per kv head and row) over the lists only: the n_local most recent visible cells
+//               (position, cell) from LC, the top n_top of the valid others by (key, position, cell) from TC, both by
+//               the block radix select; marked in a bitmap and written in cell order, alpha_j
+//
+// TC holds the top n_top of the cells that are not local: each of those has fewer than n_top others and at most n_local
+// local cells above it, and n_top + n_local <= top_k. Integer counts only: every result is deterministic, whatever
+// the order of the atomics.
+
+static_assert(SPARSE_ATTN_SEL_BINS == 8*SPARSE_ATTN_TILE_THREADS, "8 bins per thread in sparse_attn_pick");
+
+// the bin of the k-th largest element of a global histogram (bins in increasing order of their elements), 1 <= k <= its
+// total: sh[0] the bin, sh[1] the elements in higher bins, sh[2] those in the bin. sh holds WARP_SIZE + 3 ints.
+static __device__ void sparse_attn_pick(const int * __restrict__ hist, const int k, int * sh) {
+    const int tid  = threadIdx.x;
+    const int lane = tid % WARP_SIZE;
+    const int warp = tid / WARP_SIZE;
+    constexpr int nwarp = SPARSE_ATTN_TILE_THREADS/WARP_SIZE;
+
+    // thread t holds bins 2047 - 8*t down to 2040 - 8*t
+    int c[8];
+    int tot = 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+        c[u] = hist[SPARSE_ATTN_SEL_BINS - 1 - 8*tid - u];
+        tot += c[u];
+    }
+    int incl = warp_prefix_inclusive_sum<int>(tot);
+    if (lane == WARP_SIZE - 1) {
+        sh[3 + warp] = incl;
+    }
+    if (tid == 0) {
+        sh[0] = 0;
+        sh[1] = 0;
+        sh[2] = 0;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int v  = lane < nwarp ? sh[3 + lane] : 0;
+        const int vi = warp_prefix_inclusive_sum<int>(v);
+        if (lane < nwarp) {
+            sh[3 + lane] = vi - v;
+        }
+    }
+    __syncthreads();
+    incl += sh[3 + warp];
+    int above = incl - tot;
+    if (above < k && incl >= k) {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            if (above + c[u] >= k) {
+                sh[0] = SPARSE_ATTN_SEL_BINS - 1 - 8*tid - u;
+                sh[1] = above;
+                sh[2] = c[u];
+                break;
+            }
+            above += c[u];
+        }
+    }
+    __syncthreads();
+}
+
+// adds a shared histogram to the global one (only the bins that are not 0)
+static __device__ __forceinline__ void sparse_attn_hist_flush(const int * hist, int * __restrict__ ghist) {
+    for (int b = threadIdx.x; b < SPARSE_ATTN_SEL_BINS; b += blockDim.x) {
+        if (hist[b] != 0) {
+            atomicAdd(&ghist[b], hist[b]);
+        }
+    }
+}
+
+// counts bin (-1: nothing) in a shared histogram, once per group of lanes of the warp with the same bin
+static __device__ __forceinline__ void sparse_attn_hist_add(int * hist, const int bin) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_VOLTA
+    const int lane = threadIdx.x % WARP_SIZE;
+    const unsigned same = __match_any_sync(0xFFFFFFFF, bin);
+    if (bin >= 0 && lane == __ffs(same) - 1) {
+        atomicAdd(&hist[bin], __popc(same));
+    }
+#else
+    if (bin >= 0) {
+        atomicAdd(&hist[bin], 1);
+    }
+#endif // __CUDA_ARCH__ >= GGML_CUDA_CC_VOLTA
+}
+
+// appends i to a global list when pred (all lanes of the warp call it): one atomic per warp
+static __device__ __forceinline__ void sparse_attn_append(const bool pred, const int i, int * __restrict__ count, int * __restrict__ list) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const unsigned b = __ballot_sync(0xFFFFFFFF, pred);
+    int base = 0;
+    if (lane == 0 && b != 0) {
+        base = atomicAdd(count, __popc(b));
+    }
+    base = __shfl_sync(0xFFFFFFFF, base, 0);
+    if (pred) {
+        list[base + __popc(b & ((1u << lane) - 1u))] = i;
+    }
+}
+
+static __device__ __forceinline__ int * sparse_attn_sel_state(const sparse_attn_params & p, int * state, const int h, const int rl) {
+    return state + ((size_t) rl*p.n_head_kv + h)*SPARSE_ATTN_SEL_STATE_INTS;
+}
+
+// the bin of a visible cell in the local window's histogram: 2047 - its distance to the largest position pmax (a key),
+// all at a distance of 2047 or more in bin 0: nearer, a higher bin
+static __device__ __forceinline__ int sparse_attn_near_bin(const uint32_t pmax, const int32_t pos) {
+    const uint32_t d = pmax - sparse_attn_pos_key(pos);
+    return SPARSE_ATTN_SEL_BINS - 1 - (int) min(d, (uint32_t) SPARSE_ATTN_SEL_BINS - 1);
+}
+
+// M: the number of top valid cells that TC must hold (0: no top cells to select)
+static __device__ __forceinline__ int sparse_attn_sel_m(const sparse_attn_params & p, const int n_valid) {
+    return p.top_k > p.n_local ? min(p.top_k, n_valid) : 0;
+}
+
+// 3a
+static __global__ void __launch_bounds__(SPARSE_ATTN_TILE_THREADS) sparse_attn_sel_keys(
+        const sparse_attn_params p, const float * __restrict__ scores, const float2 * __restrict__ stats,
+        uint32_t * __restrict__ keys, uint32_t * __restrict__ bits, int * __restrict__ state, float2 * __restrict__ smz) {
+    const int tile = blockIdx.x;
+    const int h    = blockIdx.y;
+    const int rl   = blockIdx.z;
+    const int g    = p.g;
+    const int tid  = threadIdx.x;
+    const int lane = tid % WARP_SIZE;
+
+    __shared__ float sM[SPARSE_ATTN_MAX_G];
+    __shared__ float siZ[SPARSE_ATTN_MAX_G];
+    __shared__ int   hist[SPARSE_ATTN_SEL_BINS];
+    __shared__ int   redi[WARP_SIZE];
+
+    for (int b = tid; b < SPARSE_ATTN_SEL_BINS; b += blockDim.x) {
+        hist[b] = 0;
+    }
+    sparse_attn_softmax_factors(p, stats, h, rl, sM, siZ); // ends with a barrier
+    if (tile == 0 && tid < g) {
+        smz[(size_t) rl*p.n_head + (size_t) h*g + tid] = make_float2(sM[tid], siZ[tid]);
+    }
+
+    const sparse_attn_row rw = sparse_attn_row_of(p, rl);
+    const uint16_t * mrow = sparse_attn_mask_row(p, rw);
+    const int32_t  * prow = sparse_attn_pos_row(p, rw);
+
+    const int     n_kv = p.n_kv;
+    const float * sc   = scores + ((size_t) rl*p.n_head + (size_t) h*g)*n_kv;
+    uint32_t    * key  = keys   + ((size_t) rl*p.n_head_kv + h)*n_kv;
+    uint32_t    * vbit = bits   + ((size_t) rl*p.n_head_kv + h)*2*p.n_words;
+    uint32_t    * sbit = vbit + p.n_words;
+    int         * st   = sparse_attn_sel_state(p, state, h, rl);
+
+    int      nv = 0;
+    int      nd = 0;
+    uint32_t pm = 0;
+    // a whole number of warps of 32 consecutive cells per step: each warp writes its bitmap word
+    for (int i = tile*p.sel_tile + tid; i < (tile + 1)*p.sel_tile; i += blockDim.x) {
         uint32_t kk = 0;
-        if (mrow[i] != SPARSE_ATTN_MASK_NINF) {
-            nv++;
+        const bool vis = i < n_kv && mrow[i] != SPARSE_ATTN_MASK_NINF;
+        if (vis) {
             float s = 0.0f;
             for (int j = 0; j < g; ++j) {
                 s += expf(sc[(size_t) j*n_kv + i] - sM[j])*siZ[j];
             }
             kk = sparse_attn_score_key(s);
+            nv++;
+            nd += kk >= 2;
+            pm = max(pm, sparse_attn_pos_key(prow[i]));
         }
-        key[i] = kk;
+        if (i < n_kv) {
+            key[i] = kk;
+        }
+        const unsigned vb = __ballot_sync(0xFFFFFFFF, vis);
+        if (lane == 0 && (i >> 5) < p.n_words) {
+            vbit[i >> 5] = vb;
+            sbit[i >> 5] = 0;
+        }
+        sparse_attn_hist_add(hist, kk >= 2 ? (int) (kk >> 21) : -1);
     }
-    const int n_vis = block_reduce<block_reduce_method::SUM, SPARSE_ATTN_SELECT_THREADS>(nv, redi);
-    __syncthreads(); // also makes the keys visible to the block
+    __syncthreads();
+    sparse_attn_hist_flush(hist, st + SPARSE_ATTN_SEL_H0);
+
+    nv = block_reduce<block_reduce_method::SUM, SPARSE_ATTN_TILE_THREADS>(nv, redi);
+    __syncthreads();
+    nd = block_reduce<block_reduce_method::SUM, SPARSE_ATTN_TILE_THREADS>(nd, redi);
+#pragma unroll
+    for (int o = WARP_SIZE/2; o > 0; o >>= 1) {
+        pm = max(pm, __shfl_xor_sync(0xFFFFFFFF, pm, o, WARP_SIZE));
+    }
+    if (tid == 0) {
+        if (nv > 0) {
+            atomicAdd(&st[SPARSE_ATTN_SEL_CNT + 0], nv);
+        }
+        if (nd > 0) {
+            atomicAdd(&st[SPARSE_ATTN_SEL_CNT + 1], nd);
+        }
+    }
+    if (lane == 0 && pm != 0) {
+        atomicMax((unsigned int *) &st[SPARSE_ATTN_SEL_CNT + 2], pm);
+    }
+}
+
+// 3b
+static __global__ void __launch_bounds__(SPARSE_ATTN_TILE_THREADS) sparse_attn_sel_hist(
+        const sparse_attn_params p, const uint32_t * __restrict__ keys, int * __restrict__ state) {
+    const int tile = blockIdx.x;
+    const int h    = blockIdx.y;
+    const int rl   = blockIdx.z;
+    const int tid  = threadIdx.x;
+
+    __shared__ int hist1[SPARSE_ATTN_SEL_BINS];
+    __shared__ int histl[SPARSE_ATTN_SEL_BINS];
+    __shared__ int sh[WARP_SIZE + 3];
+
+    int * st = sparse_attn_sel_state(p, state, h, rl);
+    const int n_vis   = st[SPARSE_ATTN_SEL_CNT + 0];
+    const int n_valid = st[SPARSE_ATTN_SEL_CNT + 1];
+    if (n_vis <= p.top_k) {
+        return; // all visible cells are selected (or none is visible)
+    }
+    const int M = sparse_attn_sel_m(p, n_valid);
+    const bool has_local = p.n_local > 0;
+    const uint32_t pmax = (uint32_t) st[SPARSE_ATTN_SEL_CNT + 2];
+
+    int b0 = -1;
+    if (M > 0) {
+        sparse_attn_pick(st + SPARSE_ATTN_SEL_H0, M, sh);
+        b0 = sh[0];
+    }
+    for (int b = tid; b < SPARSE_ATTN_SEL_BINS; b += blockDim.x) {
+        hist1[b] = 0;
+        histl[b] = 0;
+    }
+    __syncthreads();
+
+    const sparse_attn_row rw = sparse_attn_row_of(p, rl);
+    const int32_t  * prow = sparse_attn_pos_row(p, rw);
+    const uint32_t * key  = keys + ((size_t) rl*p.n_head_kv + h)*p.n_kv;
+
+    for (int i = tile*p.sel_tile + tid; i < (tile + 1)*p.sel_tile; i += blockDim.x) {
+        const uint32_t kk = i < p.n_kv ? key[i] : 0;
+        sparse_attn_hist_add(hist1, kk >= 2 && (int) (kk >> 21) == b0 ? (int) ((kk >> 10) & 0x7FF) : -1);
+        int bl = -1;
+        if (has_local && kk != 0) {
+            bl = sparse_attn_near_bin(pmax, prow[i]);
+        }
+        sparse_attn_hist_add(histl, bl);
+    }
+    __syncthreads();
+    if (M > 0) {
+        sparse_attn_hist_flush(hist1, st + SPARSE_ATTN_SEL_H1);
+    }
+    if (has_local) {
+        sparse_attn_hist_flush(histl, st + SPARSE_ATTN_SEL_HL);
+    }
+}
+
+// 3c
+static __global__ void __launch_bounds__(SPARSE_ATTN_TILE_THREADS) sparse_attn_sel_gather(
+        const sparse_attn_params p, const uint32_t * __restrict__ keys, int * __restrict__ state,
+        int * __restrict__ tc, int * __restrict__ lc) {
+    const int tile = blockIdx.x;
+    const int h    = blockIdx.y;
+    const int rl   = blockIdx.z;
+    const int tid  = threadIdx.x;
+
+    __shared__ int sh[WARP_SIZE + 3];
+
+    int * st = sparse_attn_sel_state(p, state, h, rl);
+    const int n_vis   = st[SPARSE_ATTN_SEL_CNT + 0];
+    const int n_valid = st[SPARSE_ATTN_SEL_CNT + 1];
+    if (n_vis <= p.top_k) {
+        return;
+    }
+    const int M = sparse_attn_sel_m(p, n_valid);
+    const bool has_local = p.n_local > 0;
+    const uint32_t pmax = (uint32_t) st[SPARSE_ATTN_SEL_CNT + 2];
+
+    // the 22-bit key prefix of the M-th largest valid cell
+    uint32_t pre = 0xFFFFFFFFu;
+    if (M > 0) {
+        sparse_attn_pick(st + SPARSE_ATTN_SEL_H0, M, sh);
+        const int b0 = sh[0];
+        const int a0 = sh[1];
+        __syncthreads();
+        sparse_attn_pick(st + SPARSE_ATTN_SEL_H1, M - a0, sh);
+        pre = ((uint32_t) b0 << 11) | (uint32_t) sh[0];
+        __syncthreads();
+    }
+    // the bin of the n_local-th nearest visible cell
+    int bl = SPARSE_ATTN_SEL_BINS;
+    if (has_local) {
+        sparse_attn_pick(st + SPARSE_ATTN_SEL_HL, p.n_local, sh);
+        bl = sh[0];
+        if (tile == 0 && tid == 0) {
+            st[SPARSE_ATTN_SEL_CNT + 5] = bl; // every block finds the same
+        }
+    }
+
+    const size_t o = ((size_t) rl*p.n_head_kv + h)*p.n_kv;
+    const sparse_attn_row rw = sparse_attn_row_of(p, rl);
+    const int32_t  * prow = sparse_attn_pos_row(p, rw);
+    const uint32_t * key  = keys + o;
+
+    for (int i = tile*p.sel_tile + tid; i < (tile + 1)*p.sel_tile; i += blockDim.x) {
+        const uint32_t kk = i < p.n_kv ? key[i] : 0;
+        sparse_attn_append(kk >= 2 && (kk >> 10) >= pre, i, &st[SPARSE_ATTN_SEL_CNT + 3], tc + o);
+        bool near = false;
+        if (has_local && kk != 0) {
+            near = sparse_attn_near_bin(pmax, prow[i]) >= bl;
+        }
+        sparse_attn_append(near, i, &st[SPARSE_ATTN_SEL_CNT + 4], lc + o);
+    }
+}
+
+// the cells of the set bits of words[0, n_words), in increasing order, to out; returns their number. Each thread takes
+// a contiguous range of words: it counts, one block scan gives its offset, it writes
+static __device__ int sparse_attn_compact_bits(const uint32_t * words, const int n_words, int * __restrict__ out, int * sh) {
+    const int tid   = threadIdx.x;
+    const int lane  = tid % WARP_SIZE;
+    const int warp  = tid / WARP_SIZE;
+    const int nwarp = blockDim.x / WARP_SIZE;
+
+    const int per = (n_words + blockDim.x - 1)/blockDim.x;
+    const int w0  = min(n_words, tid*per);
+    const int w1  = min(n_words, w0 + per);
+
+    int c = 0;
+    for (int w = w0; w < w1; ++w) {
+        c += __popc(words[w]);
+    }
+
+    const int incl = warp_prefix_inclusive_sum<int>(c);
+    if (lane == WARP_SIZE - 1) {
+        sh[warp] = incl;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int v  = lane < nwarp ? sh[lane] : 0;
+        const int vi = warp_prefix_inclusive_sum<int>(v);
+        if (lane < nwarp) {
+            sh[lane] = vi - v;
+        }
+        if (lane == WARP_SIZE - 1) {
+            sh[WARP_SIZE] = vi;
+        }
+    }
+    __syncthreads();
+
+    int o = sh[warp] + incl - c;
+    for (int w = w0; w < w1; ++w) {
+        uint32_t m = words[w];
+        while (m != 0) {
+            out[o++] = w*32 + __ffs(m) - 1;
+            m &= m - 1;
+        }
+    }
+    const int total = sh[WARP_SIZE];
+    __syncthreads(); // sh is reused
+    return total;
+}
+
+// 3d
+static __global__ void __launch_bounds__(SPARSE_ATTN_SELECT_THREADS) sparse_attn_select(
+        const sparse_attn_params p, const float * __restrict__ scores, const float2 * __restrict__ smz,
+        const uint32_t * __restrict__ keys, uint32_t * __restrict__ bits, const int * __restrict__ state,
+        const int * __restrict__ tc, const int * __restrict__ lc,
+        int * __restrict__ sel, int4 * __restrict__ info, float * __restrict__ alpha) {
+    const int h  = blockIdx.x;
+    const int rl = blockIdx.y;
+    const int g  = p.g;
+    const int tid = threadIdx.x;
+
+    __shared__ int   hist[256];
+    __shared__ int   sh[WARP_SIZE + 1];
+    __shared__ int   redi[WARP_SIZE];
+    __shared__ float redf[WARP_SIZE];
+
+    const sparse_attn_row rw = sparse_attn_row_of(p, rl);
+    const int32_t * prow = sparse_attn_pos_row(p, rw);
+
+    const int       n_kv = p.n_kv;
+    const size_t    o    = ((size_t) rl*p.n_head_kv + h)*n_kv;
+    const float   * sc   = scores + ((size_t) rl*p.n_head + (size_t) h*g)*n_kv;
+    const float2  * mz   = smz + (size_t) rl*p.n_head + (size_t) h*g;
+    const uint32_t * key = keys + o;
+    uint32_t      * vbit = bits + ((size_t) rl*p.n_head_kv + h)*2*p.n_words;
+    uint32_t      * sbit = vbit + p.n_words;
+    const int     * st   = state + ((size_t) rl*p.n_head_kv + h)*SPARSE_ATTN_SEL_STATE_INTS;
+    const int     * tcl  = tc + o;
+    const int     * lcl  = lc + o;
+    int           * out  = sel + ((size_t) rl*p.n_head_kv + h)*p.n_sel_max;
+
+    const int n_vis   = st[SPARSE_ATTN_SEL_CNT + 0];
+    const int n_valid = st[SPARSE_ATTN_SEL_CNT + 1];
+    const int n_tc    = st[SPARSE_ATTN_SEL_CNT + 3];
+    const int n_lc    = st[SPARSE_ATTN_SEL_CNT + 4];
 
     float * al = alpha + (size_t) rl*p.n_head + (size_t) h*g;
     int4  * nf = info + (size_t) rl*p.n_head_kv + h;
@@ -651,65 +1023,82 @@ static __global__ void __launch_bounds__(SPARSE_ATTN_SELECT_THREADS) sparse_attn
 
     const bool all = n_vis <= p.top_k;
 
-    // the n_local most recent visible cells: (position, cell) >= tl
-    uint32_t tl[2] = { 0, 0 };
-    const bool has_local = !all && p.n_local > 0;
-    if (has_local) {
-        auto get_local = [&](const int i, uint32_t * x) {
-            x[0] = (uint32_t) prow[i] ^ 0x80000000u;
-            x[1] = (uint32_t) i;
-            return key[i] != 0;
-        };
-        sparse_attn_kth_largest<2>(get_local, n_kv, p.n_local, tl, hist, sh);
-    }
-    auto is_local = [&](const int i) {
-        const uint32_t x[2] = { (uint32_t) prow[i] ^ 0x80000000u, (uint32_t) i };
-        return has_local && key[i] != 0 && sparse_attn_key_ge<2>(x, tl);
-    };
-    // the others with a score that is not NaN
-    auto get_rest = [&](const int i, uint32_t * x) {
-        x[0] = key[i];
-        x[1] = (uint32_t) prow[i] ^ 0x80000000u;
-        x[2] = (uint32_t) i;
-        return x[0] >= 2 && !is_local(i);
-    };
-
-    uint32_t tt[3] = { 0, 0, 0 };
-    int n_top = 0;
     if (!all) {
-        int ne = 0;
-        for (int i = tid; i < n_kv; i += blockDim.x) {
-            uint32_t x[3];
-            ne += get_rest(i, x);
+        // the n_local most recent visible cells: those of LC with (position, cell) >= tl (the threshold orders LC only:
+        // a cell must be in LC too, its bin at least LC's)
+        uint32_t tl[2] = { 0, 0 };
+        const uint32_t pmax = (uint32_t) st[SPARSE_ATTN_SEL_CNT + 2];
+        const int      bl   = st[SPARSE_ATTN_SEL_CNT + 5];
+        const bool has_local = p.n_local > 0;
+        if (has_local) {
+            auto get_local = [&](const int u, uint32_t * x) {
+                const int i = lcl[u];
+                x[0] = sparse_attn_pos_key(prow[i]);
+                x[1] = (uint32_t) i;
+                return true;
+            };
+            sparse_attn_kth_largest<2>(get_local, n_lc, p.n_local, tl, hist, sh);
         }
-        const int n_rest = block_reduce<block_reduce_method::SUM, SPARSE_ATTN_SELECT_THREADS>(ne, redi);
+        auto is_local = [&](const int i) {
+            const uint32_t x[2] = { sparse_attn_pos_key(prow[i]), (uint32_t) i };
+            return has_local && sparse_attn_near_bin(pmax, prow[i]) >= bl && sparse_attn_key_ge<2>(x, tl);
+        };
+
+        // the others with a score that is not NaN: n_rest = n_valid - the local ones among them
+        int nl = 0;
+        for (int u = tid; u < n_lc; u += blockDim.x) {
+            const int i = lcl[u];
+            nl += key[i] >= 2 && is_local(i);
+        }
+        const int n_loc_valid = block_reduce<block_reduce_method::SUM, SPARSE_ATTN_SELECT_THREADS>(nl, redi);
         __syncthreads();
         // fewer than asked for only when scores are NaN: those there are, as the CPU kernel
-        n_top = min(p.top_k - p.n_local, n_rest);
+        const int n_top = min(p.top_k - p.n_local, n_valid - n_loc_valid);
+
+        // their top n_top: those of TC with (key, position, cell) >= tt (all of them are in TC)
+        uint32_t tt[3] = { 0, 0, 0 };
+        auto get_rest = [&](const int u, uint32_t * x) {
+            const int i = tcl[u];
+            x[0] = key[i];
+            x[1] = sparse_attn_pos_key(prow[i]);
+            x[2] = (uint32_t) i;
+            return !is_local(i);
+        };
         if (n_top > 0) {
-            sparse_attn_kth_largest<3>(get_rest, n_kv, n_top, tt, hist, sh);
+            sparse_attn_kth_largest<3>(get_rest, n_tc, n_top, tt, hist, sh);
         }
+
+        // mark the selection in the bitmap (zeroed by sparse_attn_sel_keys)
+        if (has_local) {
+            for (int u = tid; u < n_lc; u += blockDim.x) {
+                const int i = lcl[u];
+                if (is_local(i)) {
+                    atomicOr(&sbit[i >> 5], 1u << (i & 31));
+                }
+            }
+        }
+        if (n_top > 0) {
+            for (int u = tid; u < n_tc; u += blockDim.x) {
+                uint32_t x[3];
+                if (get_rest(u, x) && sparse_attn_key_ge<3>(x, tt)) {
+                    const int i = x[2];
+                    atomicOr(&sbit[i >> 5], 1u << (i & 31));
+                }
+            }
+        }
+        __syncthreads();
     }
 
-    auto selected = [&](const int i) {
-        if (all) {
-            return key[i] != 0;
-        }
-        if (is_local(i)) {
-            return true;
-        }
-        uint32_t x[3];
-        return n_top > 0 && get_rest(i, x) && sparse_attn_key_ge<3>(x, tt);
-    };
-    const int n_sel = sparse_attn_compact(selected, n_kv, out, sh);
+    const int n_sel = sparse_attn_compact_bits(all ? vbit : sbit, p.n_words, out, sh);
 
     // alpha_j: the approximate score mass of the selection
     for (int j = 0; j < g; ++j) {
         float a = 1.0f;
         if (!all && p.mean_value) {
+            const float2 f = mz[j];
             float t = 0.0f;
             for (int u = tid; u < n_sel; u += blockDim.x) {
-                t += expf(sc[(size_t) j*n_kv + out[u]] - sM[j])*siZ[j];
+                t += expf(sc[(size_t) j*n_kv + out[u]] - f.x)*f.y;
             }
             a = block_reduce<block_reduce_method::SUM, SPARSE_ATTN_SELECT_THREADS>(t, redf);
             __syncthreads();
@@ -991,7 +1380,7 @@ bool ggml_cuda_sparse_attn_supported(int device, const ggml_tensor * op) {
     if (!ggml_is_contiguous(mask) || !ggml_is_contiguous(pos)) {
         return false;
     }
-    if (n_kv < 1 || n_kv > INT32_MAX - SPARSE_ATTN_CHUNK || q->ne[1]*q->ne[3] > INT32_MAX) {
+    if (n_kv < 1 || n_kv > INT32_MAX - SPARSE_ATTN_SEL_TILE_MAX || q->ne[1]*q->ne[3] > INT32_MAX) {
         return false;
     }
 
@@ -1019,6 +1408,11 @@ static void sparse_attn_launch_typed(ggml_backend_cuda_context & ctx, const spar
     ggml_cuda_pool_alloc<float2>   stats (pool, (size_t) NR*p0.n_head*p0.n_chunk);
     ggml_cuda_pool_alloc<float>    vpart (pool, need_vsum ? (size_t) NR*H*p0.n_chunk*p0.DV : 1);
     ggml_cuda_pool_alloc<uint32_t> keys  (pool, (size_t) NR*H*p0.n_kv);
+    ggml_cuda_pool_alloc<uint32_t> bits  (pool, (size_t) NR*H*2*p0.n_words);
+    ggml_cuda_pool_alloc<int>      state (pool, (size_t) NR*H*SPARSE_ATTN_SEL_STATE_INTS);
+    ggml_cuda_pool_alloc<int>      tc    (pool, (size_t) NR*H*p0.n_kv);
+    ggml_cuda_pool_alloc<int>      lc    (pool, (size_t) NR*H*p0.n_kv);
+    ggml_cuda_pool_alloc<float2>   smz   (pool, (size_t) NR*p0.n_head);
     ggml_cuda_pool_alloc<int>      sel   (pool, (size_t) NR*H*p0.n_sel_max);
     ggml_cuda_pool_alloc<int4>     info  (pool, (size_t) NR*H);
     ggml_cuda_pool_alloc<float>    alpha (pool, (size_t) NR*p0.n_head);
@@ -1034,7 +1428,7 @@ static void sparse_attn_launch_typed(ggml_backend_cuda_context & ctx, const spar
         p.row0 = row0;
         const int nr = std::min(NR, n_rows - row0);
 
-        sparse_attn_prepare<<<dim3(H, nr), SPARSE_ATTN_PREP_THREADS, smem_prep, stream>>>(p, comp.get(), qsel.get());
+        sparse_attn_prepare<<<dim3(H, nr), SPARSE_ATTN_PREP_THREADS, smem_prep, stream>>>(p, comp.get(), qsel.get(), state.get());
 
         const dim3 grid_chunks(p.n_chunk, H, nr);
         // SparQ's scoring reads kt only: one instance per kt type
@@ -1054,8 +1448,13 @@ static void sparse_attn_launch_typed(ggml_backend_cuda_context & ctx, const spar
             sparse_attn_vsum<type><<<grid_chunks, SPARSE_ATTN_SCORE_THREADS, 0, stream>>>(p, vpart.get());
         }
 
+        const dim3 grid_tiles(p.n_tile, H, nr);
+        sparse_attn_sel_keys<<<grid_tiles, SPARSE_ATTN_TILE_THREADS, 0, stream>>>(
+            p, scores.get(), stats.get(), keys.get(), bits.get(), state.get(), smz.get());
+        sparse_attn_sel_hist<<<grid_tiles, SPARSE_ATTN_TILE_THREADS, 0, stream>>>(p, keys.get(), state.get());
+        sparse_attn_sel_gather<<<grid_tiles, SPARSE_ATTN_TILE_THREADS, 0, stream>>>(p, keys.get(), state.get(), tc.get(), lc.get());
         sparse_attn_select<<<dim3(H, nr), SPARSE_ATTN_SELECT_THREADS, 0, stream>>>(
-            p, scores.get(), stats.get(), keys.get(), sel.get(), info.get(), alpha.get());
+            p, scores.get(), smz.get(), keys.get(), bits.get(), state.get(), tc.get(), lc.get(), sel.get(), info.get(), alpha.get());
 
         sparse_attn_attend<type, type><<<dim3(p.n_split, H, nr), SPARSE_ATTN_ATTEND_THREADS, smem_attend, stream>>>(
             p, sel.get(), info.get(), ypart.get(), meta.get());
@@ -1138,6 +1537,21 @@ void ggml_cuda_sparse_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.split   = S;
     p.n_split = (p.n_sel_max + S - 1)/S;
 
+    // the selection's tiles: the largest that still gives two blocks per SM
+    int T = SPARSE_ATTN_SEL_TILE_MAX;
+    while (T > SPARSE_ATTN_TILE_THREADS && (int64_t) ((p.n_kv + T - 1)/T)*H*n_rows < 2*nsm) {
+        T /= 2;
+    }
+    p.sel_tile = T;
+    p.n_tile   = (p.n_kv + T - 1)/T;
+    p.n_words  = (p.n_kv + 31)/32;
+
+    // pair loads of kt need rows (and the views' offsets) aligned to two cells
+    if (kt) {
+        const size_t a = 2*ggml_type_size(kt->type);
+        p.kt_vec = (uintptr_t) kt->data % a == 0 && kt->nb[1] % a == 0 && kt->nb[2] % a == 0 && kt->nb[3] % a == 0;
+    }
+
     const bool need_vsum = p.mean_value && !vmean;
 
     // rows per launch group: bounded scratch
@@ -1146,6 +1560,8 @@ void ggml_cuda_sparse_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         sizeof(float)*(size_t) p.n_head*p.n_kv + sizeof(float2)*(size_t) p.n_head*p.n_chunk +
         (need_vsum ? sizeof(float)*(size_t) H*p.n_chunk*p.DV : 0) +
         sizeof(uint32_t)*(size_t) H*p.n_kv + sizeof(int)*(size_t) H*p.n_sel_max + sizeof(int4)*(size_t) H +
+        sizeof(uint32_t)*(size_t) H*2*p.n_words + sizeof(int)*(size_t) H*SPARSE_ATTN_SEL_STATE_INTS +
+        sizeof(int)*(size_t) H*2*p.n_kv + sizeof(float2)*(size_t) p.n_head +
         sizeof(float)*(size_t) p.n_head + (sizeof(float)*p.DV + sizeof(float2))*(size_t) p.n_head*p.n_split;
     const int NR = (int) std::max<size_t>(1, std::min<size_t>({ (size_t) n_rows, (size_t) 65535, SPARSE_ATTN_SCRATCH_ROWS_BYTES/row_bytes }));
 
