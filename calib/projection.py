@@ -40,6 +40,24 @@ def _add_loki_metadata(w, pca: LokiPCA, model: ModelIdentity, ctx_size: int) -> 
     w.add_string("loki.model.fingerprint", model.fingerprint)
 
 
+def _add_fidelity_metadata(w, fid: dict | None) -> None:
+    """calib.budget's measurement (see sparq_cpp.projection.Fidelity for the keys)."""
+    if fid is None:
+        return
+    c = fid["candidates"]
+    w.add_uint32("loki.fidelity.ctx", fid["ctx"])
+    w.add_uint32("loki.fidelity.windows", fid["windows"])
+    w.add_bool("loki.fidelity.held_out", bool(fid.get("held_out", False)))
+    w.add_array("loki.fidelity.layers", [int(x) for x in fid["layers"]])
+    w.add_array("loki.fidelity.method", [x["method"] for x in c])
+    w.add_array("loki.fidelity.ratio", [float(x["ratio"]) for x in c])
+    w.add_array("loki.fidelity.rank", [int(x["rank"]) for x in c])
+    w.add_array("loki.fidelity.k", [int(x["k"]) for x in c])
+    w.add_array("loki.fidelity.l", [int(x["l"]) for x in c])
+    w.add_array("loki.fidelity.mass", [float(v) for row in fid["mass"] for v in row])
+    w.add_array("loki.fidelity.exact_mass", [float(v) for row in fid["exact_mass"] for v in row])
+
+
 def _loki_tensors(pca: LokiPCA):
     """(name, f32 array) in file order: per layer, proj then var, pre then post."""
     L = pca.explained_variance["post"].shape[0]
@@ -50,8 +68,8 @@ def _loki_tensors(pca: LokiPCA):
             yield var_name(il, v), np.ascontiguousarray(pca.explained_variance[v][il], np.float32)
 
 
-def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int) -> Path:
-    """Write the standalone projection file for the model at model_path."""
+def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity: dict | None = None) -> Path:
+    """Write the standalone projection file for the model at model_path (with calib.budget's `fidelity`)."""
     model = ModelIdentity.of(model_path)
 
     def write(tmp):
@@ -60,6 +78,7 @@ def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int) -> Path:
             w.add_type("loki-projection")
             w.add_name(f"{model.name} Loki projection")
             _add_loki_metadata(w, pca, model, ctx_size)
+            _add_fidelity_metadata(w, fidelity)
             for name, arr in _loki_tensors(pca):
                 w.add_tensor(name, arr)
             w.write_header_to_file()
@@ -77,7 +96,7 @@ def check_embeddable(arch: str) -> None:
                          f"only, not {arch}; write the projection file (without --embed) and pass it with --loki-pca")
 
 
-def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int) -> Path:
+def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity: dict | None = None) -> Path:
     """A copy of the model GGUF with the Loki tensors and loki.* keys added (gguf_new_metadata's
     approach); tensor data is streamed in 16 MiB pieces, so memory stays bounded."""
     model_path = Path(model_path)
@@ -107,6 +126,7 @@ def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int) -> Pa
                 sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
                 w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
             _add_loki_metadata(w, pca, model, ctx_size)
+            _add_fidelity_metadata(w, fidelity)
             for t in reader.tensors:  # old tensors first, in their order, then the new ones
                 w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
             for name, arr in new:

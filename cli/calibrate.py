@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from sparq_cpp import lazy
+from sparq_cpp.calib.budget import measure_budget
 from sparq_cpp.calib.figure import rank_figure
 from sparq_cpp.calib.projection import check_embeddable, embed_projection, write_projection
 from sparq_cpp.calib.run import calibrate, check_sizes
@@ -45,6 +46,24 @@ def _out_path(model: Path, out, embed: bool) -> Path:
     return out
 
 
+def fidelity_table(fid: dict) -> str:
+    """Per ratio and candidate: the attention mass kept (mean over layers) and the exact top-k's; * = auto's pick."""
+    lines = [f"attention mass kept at {fid['ctx']} positions (mean over layers {fid['layers']}; * = --attn auto)",
+             "ratio  method  rank      k      l   mass  exact"]
+    cands = fid["candidates"]
+    for t in sorted({c["ratio"] for c in cands}, reverse=True):
+        idx = [i for i, c in enumerate(cands) if c["ratio"] == t]
+        means = {i: sum(fid["mass"][i]) / len(fid["mass"][i]) for i in idx}
+        best = max(idx, key=lambda i: (means[i], -i))
+        for i in idx:
+            c = cands[i]
+            exact = sum(fid["exact_mass"][i]) / len(fid["exact_mass"][i])
+            lines.append(f"1/{round(1 / t):<4d} {c['method']:6s} {c['rank']:5d} {c['k']:6d} {c['l']:6d} {means[i]:6.3f} "
+                         f"{exact:6.3f}"
+                         + (" *" if i == best else ""))
+    return "\n".join(lines)
+
+
 def _table(pca) -> str:
     pre, post = pca.rank_at("pre").mean(axis=1), pca.rank_at("post").mean(axis=1)
     D = pca.explained_variance["pre"].shape[-1]
@@ -67,10 +86,15 @@ def _table(pca) -> str:
               help="Output GGUF (default: <model stem>.loki.gguf, or .loki-embedded.gguf with --embed, "
                    "next to the model).")
 @click.option("--embed", is_flag=True, help="Write a copy of the model with the projection inside instead.")
+@click.option("--fidelity/--no-fidelity", default=True, show_default=True,
+              help="Also measure, on the text after the calibration tokens, how much attention SparQ and Loki keep "
+                   "at ratios 1/4, 1/8 and 1/16 (stored in the output; --attn auto chooses from it).")
+@click.option("--fidelity-windows", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Windows of --ctx-size tokens the fidelity is measured on.")
 @click.option("--figure", default=None, metavar="PNG",
               help="Also write the Loki paper's Figure 2 for this model (PNG; needs matplotlib, the [plot] extra).")
 @progress_option
-def command(model, texts, n_tokens, ctx_size, threads, out, embed, figure, progress):
+def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fidelity_windows, figure, progress):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
@@ -89,11 +113,22 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, figure, progr
     pca = calibrate(model, text, n_tokens=n_tokens, ctx_size=ctx_size, n_threads=threads,
                     progress=progress_enabled(progress))
     seconds = time.perf_counter() - t0
+    fid = None
+    if fidelity:
+        t1 = time.perf_counter()
+        fid = measure_budget(model, text, basis=pca.components["post"], skip_tokens=pca.n_tokens, S=ctx_size,
+                             n_windows=fidelity_windows, n_threads=threads, log=lambda m: click.echo(m, err=True))
+        click.echo(f"measured fidelity on {fid['windows']} windows of {ctx_size} tokens in "
+                   f"{time.perf_counter() - t1:.1f} s" + ("" if fid["held_out"] else
+                                                         " (the calibration text itself: give more text to hold "
+                                                         "some out)"), err=True)
     if embed:
-        embed_projection(out, pca, model, ctx_size=ctx_size)
+        embed_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid)
     else:
-        write_projection(out, pca, model, ctx_size=ctx_size)
+        write_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid)
     click.echo(_table(pca))
+    if fid is not None:
+        click.echo(fidelity_table(fid))
     click.echo(f"calibrated {summary.name} on {pca.n_tokens} tokens in {seconds:.1f} s "
                f"({pca.n_tokens / seconds:.0f} tokens/s)", err=True)
     click.echo(f"wrote {out}", err=True)

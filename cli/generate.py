@@ -5,17 +5,20 @@ from __future__ import annotations
 import codecs
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import click
 
 from sparq_cpp import lazy
-from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
+from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ
+from sparq_cpp.auto import known_poor
 from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, attention_options, cache_type_options, cache_types,
                                    flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf
 from sparq_cpp.llm import open_model
+from sparq_cpp.projection import default_projection
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
 DEFAULT_CHAT_PROMPT = "Tell me about yourself."
@@ -47,9 +50,22 @@ class _Utf8Stream:
 
 
 def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None,
-                           model: Path | None = None):
+                           model: Path | None = None, ratio=None):
     """The attention settings the options ask for. Loki without --loki-pca takes `<model stem>.loki.gguf`
-    next to the model when there is one (what `sparq-cpp calibrate` writes) and says so."""
+    next to the model when there is one (what `sparq-cpp calibrate` writes) and says so; auto reads the same
+    calibration (sparq_cpp.auto resolves it when the model is opened)."""
+    if attn == "auto":
+        given = [name for name, v in (("--sparq-r", r), ("--loki-d", d), ("--sparse-k", k), ("--sparse-l", l),
+                                       ("--alisa-c", c)) if v is not None] + (["--no-mean-value"] if no_mean_value else [])
+        if given:
+            raise SparqError(f"--attn auto chooses the method and its settings; drop {', '.join(given)} (the budget "
+                             "is --ratio)")
+        if loki_pca is not None and not Path(loki_pca).is_file():
+            raise SparqError(f"--loki-pca: file not found: {loki_pca}")
+        return Auto(ratio=0.125 if ratio is None else _ratio(ratio), projection=loki_pca)
+    if ratio is not None:
+        raise SparqError("--ratio is the budget of --attn auto; use --attn auto, or set --sparq-r/--loki-d and "
+                         "--sparse-k")
     sparq_only = r is not None or no_mean_value
     loki_only = d is not None or loki_pca is not None
     shared = k is not None or l is not None
@@ -87,9 +103,24 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
     return Dense()
 
 
-def default_projection(model: Path) -> Path:
-    """Where `sparq-cpp calibrate` writes a model's Loki projection by default."""
-    return model.with_name(model.stem + ".loki.gguf")
+def _ratio(text: str) -> float:
+    try:
+        value = float(Fraction(str(text).strip()))
+    except (ValueError, ZeroDivisionError):
+        raise SparqError(f"--ratio {text!r} is not a number or a fraction like 1/8") from None
+    if not 0 < value < 1:
+        raise SparqError(f"--ratio must be in (0, 1) (attention data read / dense), got {text}")
+    return value
+
+
+def report_choice(llm, attention, path, projection=None) -> None:
+    """What auto chose and why, or a warning when a fixed setting is known to be poor on this model."""
+    if getattr(llm, "auto_choice", None):
+        click.echo(llm.auto_choice, err=True)
+        return
+    warning = known_poor(attention, path, llm.summary, projection)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
 
 
 def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
@@ -137,7 +168,8 @@ def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
 @flash_attn_option
 @attention_options
 def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, seed, temp, top_k, top_p,
-            cache_type_k, cache_type_v, cache_type, flash_attn, attn, r, d, k, l, no_mean_value, loki_pca, loki_variant, c):
+            cache_type_k, cache_type_v, cache_type, flash_attn, attn, ratio, r, d, k, l, no_mean_value, loki_pca,
+            loki_variant, c):
     """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
     models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
     the last step read against dense."""
@@ -146,7 +178,8 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
     text = _read_prompt(prompt, prompt_file)
     path = resolve_model(model)
-    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path)
+    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
+                                       ratio=ratio)
     fa = flash_attn_for(flash_attn, attention)
     if system is not None and chat is False:
         raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")
@@ -155,6 +188,8 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     llm, summary = open_model(path, attention=attention, n_ctx=ctx_size, n_threads=threads, seed=seed,
                               cache_type_k=type_k, cache_type_v=type_v,
                               flash_attn=fa != "off")  # llama-cpp-python takes on or off: auto is on
+    report_choice(llm, attention, path, loki_pca)
+    attention = llm.attention  # auto: what it resolved to
     has_template = "tokenizer.chat_template" in llm.metadata
     if chat and not has_template:
         raise SparqError(f"{path.name} has no chat template (tokenizer.chat_template); use --no-chat")

@@ -112,12 +112,15 @@ class _AmbiguousC(click.Option):
 
 def attention_options(command):
     """The attention options of `generate` and `serve`: --attn, SparQ's --sparq-r/--no-mean-value, Loki's
-    --loki-d/--loki-pca/--loki-variant, --sparse-k/--sparse-l for both, and ALISA's --alisa-c (see
-    cli.generate.attention_from_options). --r, --d, --k, --l are kept as short aliases."""
+    --loki-d/--loki-pca/--loki-variant, --sparse-k/--sparse-l for both, ALISA's --alisa-c and auto's --ratio
+    (see cli.generate.attention_from_options). --r, --d, --k, --l are kept as short aliases."""
     options = [
-        click.option("--attn", type=click.Choice(["dense", "sparq", "loki", "alisa"]), default=None,
+        click.option("--attn", type=click.Choice(["dense", "sparq", "loki", "alisa", "auto"]), default=None,
                      help="Attention: dense, sparq (the default when --sparq-r or --sparse-k is given), loki (the "
-                          "default with --loki-d) or alisa (the default with --alisa-c)."),
+                          "default with --loki-d), alisa (the default with --alisa-c), or auto: the SparQ or Loki "
+                          "setting the model's calibration (`sparq-cpp calibrate`) measured best within --ratio."),
+        click.option("--ratio", type=str, default=None,
+                     help="auto: attention data read per step at a full context / dense, in (0, 1), e.g. 1/8 [1/8]."),
         click.option("--sparq-r", "--r", "r", type=int, default=None,
                      help="SparQ: query components used to rank positions, 1..head size [16]."),
         click.option("--loki-d", "--d", "d", type=int, default=None,

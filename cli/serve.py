@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from sparq_cpp.attention import ALISA, Dense, Loki, spec
+from sparq_cpp.attention import ALISA, Auto, Dense, Loki, spec
+from sparq_cpp.auto import known_poor, resolve
 from sparq_cpp.cli.generate import attention_from_options
 from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_for,
                                    flash_attn_option, model_option, resolve_model, threads_type)
@@ -71,6 +72,11 @@ def check_port_free(host: str, port: int) -> None:
                              "hold it, pick another --port") from None
 
 
+def server_ctx(summary, ctx_size, parallel) -> int:
+    """llama-server's -c: the context of all slots (each gets n_ctx / parallel)."""
+    return ctx_size if ctx_size is not None else min(4096, summary.n_ctx_train or 4096) * parallel
+
+
 def server_command(path, attention, *, host, port, ctx_size, parallel, threads, cache_type_k="f16",
                    cache_type_v="f16", flash_attn="auto", extra=()) -> tuple:
     """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
@@ -93,7 +99,7 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
     if isinstance(attention, ALISA) and parallel != 1:
         raise SparqError(f"ALISA keeps one window of past weights, so one sequence: --parallel must be 1, got {parallel}")
     fa = flash_attn_for(flash_attn, attention)  # SparQ, Loki and ALISA read V row by row
-    n_ctx = ctx_size if ctx_size is not None else min(4096, summary.n_ctx_train or 4096) * parallel
+    n_ctx = server_ctx(summary, ctx_size, parallel)
     argv = [str(tool_path("llama-server")), "-m", str(path), "--host", host, "--port", str(port),
             "-c", str(n_ctx), "-np", str(parallel), "-t", str(threads or default_threads()),
             "-ctk", cache_type_k, "-ctv", cache_type_v, "-fa", fa]
@@ -133,14 +139,25 @@ class _ServeCommand(click.Command):
 @attention_options
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
 def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_type_v, cache_type, flash_attn, attn,
-            r, d, k, l, no_mean_value, loki_pca, loki_variant, c, print_command):
+            ratio, r, d, k, l, no_mean_value, loki_pca, loki_variant, c, print_command):
     """Serve a model over HTTP with OpenAI-style /v1/chat/completions and /v1/completions (llama-server),
     with SparQ, Loki or ALISA attention, its settings checked first. Options after `--` go to llama-server
     as they are (e.g. `-- --alias mymodel --metrics`), except those that would replace a checked setting."""
     server_args = click.get_current_context().meta["server_args"]
     type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
     path = resolve_model(model)
-    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path)
+    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
+                                       ratio=ratio)
+    summary = check_gguf(path)
+    if isinstance(attention, Auto):
+        check_sparse(summary, "auto")
+        if parallel >= 1:
+            attention, why = resolve(attention, path, summary, max(1, server_ctx(summary, ctx_size, parallel) // parallel))
+            click.echo(why, err=True)
+    else:
+        warning = known_poor(attention, path, summary, loki_pca)
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
     argv, env = server_command(path, attention, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                                threads=threads, cache_type_k=type_k, cache_type_v=type_v, flash_attn=flash_attn,
                                extra=server_args)

@@ -45,25 +45,11 @@ def parse_ratios(text: str) -> list[float]:
     return sorted(set(out), reverse=True)
 
 
-def _largest_k(reads, budget) -> int:
-    """The largest k whose reads (a method's transfer formula at S, in k: a constant plus a multiple of k while
-    k is below S) stay within budget; below 1 when none does."""
-    slope = reads(2) - reads(1)
-    return int((budget - (reads(1) - slope)) // slope)
-
-
 def _split_rank(target, S, D, method, fixed):
     """(rank, k) for a ranking method: its reads at rank and k within target * dense."""
-    budget = target * transfer.dense_elements(S, D)
     if fixed is not None and not 1 <= fixed <= D:  # 0 would otherwise read as "not fixed"
         raise SparqError(f"a fixed r or d must be in 1..{D} (the head size), got {fixed}")
-    formula = transfer.sparq_elements if method == "sparq" else transfer.loki_elements
-    ranks = [fixed] if fixed is not None else range(max(1, min(D, round(target * D))), 0, -1)
-    for rank in ranks:
-        k = _largest_k(lambda k: formula(S, D, rank, k), budget)
-        if k >= 1:
-            return rank, k
-    return None
+    return transfer.rank_split(method, target, S, D, fixed)
 
 
 def settings(method: str, target: float, S: int, D: int, *, r: int | None = None, d: int | None = None,
@@ -84,17 +70,17 @@ def settings(method: str, target: float, S: int, D: int, *, r: int | None = None
         rank, k = got
         return {"r" if method == "sparq" else "d": rank, "k": k, "l": int(k * local) if method == "sparq" else 0}
     if method == "h2o":
-        k = _largest_k(lambda k: transfer.h2o_elements(S, D, k), budget)
+        k = transfer.largest_k(lambda k: transfer.h2o_elements(S, D, k), budget)
         return {"k": k, "l": k // 4} if k >= 1 else None
     if method == "lm-infinite":
-        k = _largest_k(lambda k: transfer.lm_infinite_elements(S, D, k), budget)
+        k = transfer.largest_k(lambda k: transfer.lm_infinite_elements(S, D, k), budget)
         return {"k": k} if k > 16 else None
     if method == "exact-topk":
         k = int(target * S)
         return {"k": k} if k >= 1 else None
     if method == "alisa":
         # c = (2k + 1)/S, so that ALISA's window at S, floor(S*c/2), is k
-        k = _largest_k(lambda k: transfer.alisa_elements(S, D, (2 * k + 1) / S), budget)
+        k = transfer.largest_k(lambda k: transfer.alisa_elements(S, D, (2 * k + 1) / S), budget)
         return {"c": (2 * k + 1) / S, "k": k} if k >= 1 else None
     raise AssertionError(method)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from fractions import Fraction
 
 from sparq_cpp import transfer
 from sparq_cpp.bindings import sparse_api
@@ -153,6 +154,26 @@ class ALISA:
         return transfer.alisa_bytes(n_kv, head_dim, self.c, cache_type)
 
 
+@dataclass(frozen=True)
+class Auto:
+    """The SparQ or Loki setting with the best measured fidelity within `ratio` of dense reads, chosen from the
+    model's calibration (`sparq-cpp calibrate` measures it; sparq_cpp.auto resolves it when a context is
+    created, for its n_ctx). projection: the calibration GGUF (None = <model stem>.loki.gguf next to the model).
+    """
+
+    ratio: float = 0.125
+    projection: str | None = None
+
+    name = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real) or not 0 < self.ratio < 1:
+            raise SparqError(f"ratio must be a number in (0, 1): attention data read / dense, got {self.ratio!r}")
+
+    def check(self, head_dim: int) -> None:
+        pass
+
+
 Attention = Dense | SparQ | Loki | ALISA
 
 
@@ -169,17 +190,48 @@ def spec(attention: Attention) -> str:
         return out + (f",proj={attention.projection}" if attention.projection is not None else "")
     if isinstance(attention, ALISA):
         return f"alisa:c={attention.c!r},min_n_kv={attention.min_n_kv}"
+    if isinstance(attention, Auto):  # sparq-cpp's own: llama.cpp's tools take the setting it resolves to
+        return f"auto:ratio={attention.ratio!r}" + (f",proj={attention.projection}" if attention.projection else "")
     return "dense"
 
 
-def parse_attention(text: str) -> Attention:
+def _parse_auto(text: str) -> Auto:
+    """"auto[:ratio=0.125,proj=FILE]" (ratio also as a fraction, 1/8)."""
+    head, _, rest = text.partition(":")
+    if head != "auto":
+        raise SparqError(f"attention spec {text!r}: expected auto[:ratio=R,proj=FILE]")
+    kw: dict = {}
+    seen: set = set()
+    for item in rest.split(",") if rest else []:
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise SparqError(f"attention spec {text!r}: {item!r} is not key=value")
+        if key in seen:
+            raise SparqError(f"attention spec {text!r}: {key} given twice")
+        seen.add(key)
+        if key == "ratio":
+            try:
+                kw[key] = float(Fraction(value))
+            except (ValueError, ZeroDivisionError):
+                raise SparqError(f"attention spec {text!r}: ratio {value!r} is not a number or fraction like 1/8") from None
+        elif key == "proj":
+            kw["projection"] = value
+        else:
+            raise SparqError(f"attention spec {text!r}: unknown key {key!r} for auto (ratio, proj)")
+    return Auto(**kw)
+
+
+def parse_attention(text: str) -> Attention | Auto:
     """Settings from a string as llama.cpp reads it (the tools' --sparse-attn, LLAMA_SPARSE_ATTN):
     "sparq:r=8,k=32", "loki:d=32,k=128,proj=model.loki.gguf", "alisa:c=0.125", "dense"; keys left out keep
     their defaults. Parsed by llama.cpp itself (llama_sparse_attn_parse), so both read it the same way.
     Keys: sparq r, k, l, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, min_n_kv, prompt, proj,
-    variant (post|pre); alisa c, min_n_kv. No spaces, each key once."""
+    variant (post|pre); alisa c, min_n_kv. No spaces, each key once. "auto:ratio=0.125[,proj=FILE]" is this
+    package's own (sparq_cpp.auto resolves it when the model is opened)."""
     if not isinstance(text, str):
         raise SparqError(f"attention spec must be a string, got {text!r}")
+    if text == "auto" or text.startswith("auto:"):
+        return _parse_auto(text)
     p = sparse_api.parse(text)
     prompt = bool(p.sparse_prompt)
     if p.mode == sparse_api.LLAMA_SPARSE_ATTN_SPARQ:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from sparq_cpp import lazy, system
-from sparq_cpp.attention import ALISA, Attention, Dense, Loki, SparQ, parse_attention
+from sparq_cpp import auto, lazy, system
+from sparq_cpp.attention import ALISA, Attention, Auto, Dense, Loki, SparQ, parse_attention
 from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse, swa_layers
@@ -134,7 +134,8 @@ def _llama_class():
     class Llama(llama_cpp.Llama):
         """llama_cpp.Llama with an `attention` setting: Dense(), SparQ(...), Loki(...) or ALISA(...), or the
         same as a string in LLAMA_SPARSE_ATTN's syntax ("sparq:r=8,k=32", "loki:d=32,proj=m.loki.gguf",
-        "alisa:c=0.125", "dense").
+        "alisa:c=0.125", "dense"); or Auto(ratio=0.125) ("auto:ratio=0.125"): the setting with the best fidelity
+        the model's calibration measured within that budget (sparq_cpp.auto; `auto_choice` says which and why).
 
         What a mode keeps in the cache (SparQ: a transposed copy of K and the V sums; Loki: keys in the
         projection's basis; ALISA: a window of past attention weights) is decided when the context is
@@ -147,10 +148,15 @@ def _llama_class():
         def __init__(self, model_path: str | os.PathLike, attention: Attention | str | None = None, *,
                      cache_type: str | None = None, **kwargs) -> None:
             attention = parse_attention(attention) if isinstance(attention, str) else attention or Dense()
-            if not isinstance(attention, (Dense, SparQ, Loki, ALISA)):
-                raise SparqError(f"attention must be Dense(), SparQ(...), Loki(...), ALISA(...) or a string such as "
-                                 f"'sparq:r=8,k=32', got {attention!r}")
+            if not isinstance(attention, (Dense, SparQ, Loki, ALISA, Auto)):
+                raise SparqError(f"attention must be Dense(), SparQ(...), Loki(...), ALISA(...), Auto(...) or a string "
+                                 f"such as 'sparq:r=8,k=32', got {attention!r}")
             summary = check_gguf(model_path)
+            self.auto_choice: str | None = None  # why Auto resolved to what it did
+            if isinstance(attention, Auto):
+                check_sparse(summary, "auto")
+                attention, self.auto_choice = auto.resolve(attention, model_path, summary,
+                                                           kwargs.get("n_ctx", 512) or summary.n_ctx_train)
             sparse = not isinstance(attention, Dense)
             if sparse:  # before the head size: a model may have no attention heads at all
                 check_sparse(summary, display_name(attention))

@@ -110,6 +110,11 @@ class ModelIdentity:
 
 # ---- reading ---------------------------------------------------------------------------------
 
+def default_projection(model: Path) -> Path:
+    """Where `sparq-cpp calibrate` writes a model's calibration (the Loki projection) by default."""
+    return Path(model).with_name(Path(model).stem + ".loki.gguf")
+
+
 @dataclass
 class LokiProjection:
     """One variant's basis: P float32 [n_layer, n_head_kv, D, D] (column c = component c; k' = k P[il, h]),

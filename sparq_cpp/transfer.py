@@ -87,6 +87,27 @@ def dense_bytes(n: int, D: int, cache_type: str = "f16") -> float:
     return dense_elements(n, D) * bytes_per_element(cache_type)
 
 
+def largest_k(reads, budget) -> int:
+    """The largest k whose reads (a method's transfer formula at n, in k: a constant plus a multiple of k while
+    k is below n) stay within budget; below 1 when none does."""
+    slope = reads(2) - reads(1)
+    return int((budget - (reads(1) - slope)) // slope)
+
+
+def rank_split(method: str, target: float, n: int, D: int, rank: int | None = None) -> tuple[int, int] | None:
+    """(rank, k) of SparQ (rank r) or Loki (rank d) reading `target` times dense at n positions: rank about
+    target * D (so ranking takes about half of the reads, docs/spec.md) unless given, k the largest that fits;
+    None when nothing fits."""
+    budget = target * dense_elements(n, D)
+    formula = sparq_elements if method == "sparq" else loki_elements
+    ranks = [rank] if rank is not None else range(max(1, min(D, round(target * D))), 0, -1)
+    for rk in ranks:
+        k = largest_k(lambda k: formula(n, D, rk, k), budget)
+        if k >= 1:
+            return rk, k
+    return None
+
+
 def compression(method_elements: float, n: int, D: int) -> float:
     """A method's reads divided by dense reads (docs/spec.md's compression ratio)."""
     return method_elements / dense_elements(n, D)

@@ -1,0 +1,184 @@
+"""`auto`: the sparse setting with the best measured fidelity within a compression budget.
+
+`sparq-cpp calibrate` measures on the user's text how much of the exact attention mass each candidate keeps,
+per full-attention layer (calib.budget: SparQ and Loki, each with the rank at 1/2, 1 and 3/2 of the transfer
+formula's split, at ratios 1/4, 1/8 and 1/16), and stores it in the calibration GGUF as loki.fidelity.* keys
+(`Fidelity` below). `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size
+to the method and rank whose mean mass over the layers is largest among those measured at the largest ratio
+not above the target (the rank scaled by target / measured ratio), with k the largest whose reads fit the
+target at n_ctx positions (sparq_cpp.transfer.rank_split). One setting for the whole model: a context has one
+mode (the cache layout), and choosing the method per layer gained nothing where measured (docs/accuracy.md).
+A given calibration, target and n_ctx always give the same setting; its reads at n_ctx are within the target.
+
+`known_poor` is the warning generate and serve print for a fixed setting the measurement (or, without one,
+the model's q/k normalisation) says is a poor choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sparq_cpp import transfer
+from sparq_cpp.attention import Auto, Loki, SparQ
+from sparq_cpp.errors import SparqError
+from sparq_cpp.gguf_check import metadata_value, open_gguf
+from sparq_cpp.projection import default_projection, open_reader, read_projection
+
+# A fixed setting is called poor when the best measured candidate of the other method keeps this much more
+# of the attention mass at the same ratio.
+POOR_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """calib.budget's measurement as stored: per candidate (method, ratio, rank, k and l at ctx positions),
+    the attention mass it keeps and the exact top-k's mass at its k, per measured layer."""
+
+    ctx: int
+    windows: int
+    held_out: bool
+    layers: tuple[int, ...]
+    method: tuple[str, ...]
+    ratio: tuple[float, ...]
+    rank: tuple[int, ...]
+    k: tuple[int, ...]
+    l: tuple[int, ...]
+    mass: np.ndarray  # [candidates, layers]
+    exact_mass: np.ndarray
+    path: Path
+
+    def mean_mass(self, i: int) -> float:
+        return float(self.mass[i].mean())
+
+    def describe(self, i: int) -> str:
+        name = "r" if self.method[i] == "sparq" else "d"
+        return (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]}: keeps {self.mean_mass(i):.3f} of the attention "
+                f"(exact top-k {float(self.exact_mass[i].mean()):.3f})")
+
+
+def read_fidelity(path) -> Fidelity | None:
+    """The fidelity measurement in a calibration GGUF, or None if it has none (an older calibration)."""
+    path = Path(path)
+    r = open_reader(path)
+    ctx = metadata_value(r, "loki.fidelity.ctx")
+    if ctx is None:
+        return None
+    keys = {key: metadata_value(r, f"loki.fidelity.{key}") for key in
+            ("windows", "held_out", "layers", "method", "ratio", "rank", "k", "l", "mass", "exact_mass")}
+    missing = [key for key, v in keys.items() if v is None]
+    if missing:
+        raise SparqError(f"{path}: loki.fidelity.{missing[0]} is missing; calibrate the model again")
+    n = len(keys["method"])
+    L = len(keys["layers"])
+    for key in ("ratio", "rank", "k", "l"):
+        if len(keys[key]) != n:
+            raise SparqError(f"{path}: loki.fidelity.{key} has {len(keys[key])} values for {n} candidates")
+    mass, exact = (np.asarray(keys[key], np.float64) for key in ("mass", "exact_mass"))
+    if n == 0 or L == 0 or mass.size != n * L or exact.size != n * L or not np.isfinite(mass).all():
+        raise SparqError(f"{path}: loki.fidelity.mass must hold {n} x {L} finite values; calibrate the model again")
+    if any(m not in ("sparq", "loki") for m in keys["method"]):
+        raise SparqError(f"{path}: loki.fidelity.method holds an unknown method: {sorted(set(keys['method']))}")
+    return Fidelity(ctx=int(ctx), windows=int(keys["windows"]), held_out=bool(keys["held_out"]),
+                    layers=tuple(int(x) for x in keys["layers"]), method=tuple(keys["method"]),
+                    ratio=tuple(float(x) for x in keys["ratio"]), rank=tuple(int(x) for x in keys["rank"]),
+                    k=tuple(int(x) for x in keys["k"]), l=tuple(int(x) for x in keys["l"]),
+                    mass=mass.reshape(n, L), exact_mass=exact.reshape(n, L), path=path)
+
+
+def _measured_ratio(fid: Fidelity, target: float) -> float:
+    """The largest measured ratio not above target (float32 storage: compared with a little slack), else the
+    smallest measured one."""
+    measured = sorted(set(fid.ratio))
+    below = [x for x in measured if x <= target * (1 + 1e-6)]
+    return below[-1] if below else measured[0]
+
+
+def choose(fid: Fidelity, target: float, method: str | None = None) -> int:
+    """The index of the candidate with the largest mean mass at the measured ratio for target (of `method`
+    only, if given); the first such candidate on a tie."""
+    base = _measured_ratio(fid, target)
+    idx = [i for i in range(len(fid.method)) if fid.ratio[i] == base and method in (None, fid.method[i])]
+    if not idx:
+        raise SparqError(f"{fid.path}: no {method or 'sparse'} setting was measured at ratio {base:.4g}")
+    return max(idx, key=lambda i: (fid.mean_mass(i), -i))
+
+
+def calibration_for(model_path, projection=None) -> Path:
+    """The calibration GGUF `auto` reads: `projection`, else <model stem>.loki.gguf next to the model."""
+    path = Path(projection) if projection is not None else default_projection(Path(model_path))
+    if not path.is_file():
+        raise SparqError(f"--attn auto chooses from a calibration of the model, and {path} does not exist: run "
+                         f"`sparq-cpp calibrate -m {model_path} --text FILE` (it writes {path}), or give the file "
+                         "(auto:proj=FILE, --loki-pca FILE)")
+    return path
+
+
+def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, str]:
+    """The setting `auto` stands for on this model at n_ctx positions, and a line saying why."""
+    path = calibration_for(model_path, auto.projection)
+    read_projection(path, model_path=model_path)  # made for this model, or an error naming the difference
+    fid = read_fidelity(path)
+    if fid is None:
+        raise SparqError(f"{path} has no fidelity measurement (calibrated by an older sparq-cpp); calibrate the "
+                         "model again for --attn auto")
+    D = summary.head_dim
+    i = choose(fid, auto.ratio)
+    base = fid.ratio[i]
+    rank = max(1, min(D, round(fid.rank[i] * auto.ratio / base)))
+    got = transfer.rank_split(fid.method[i], auto.ratio, n_ctx, D, rank)
+    if got is None:
+        raise SparqError(f"auto:ratio={auto.ratio:g}: no {fid.method[i]} setting reads that little at a context of "
+                         f"{n_ctx} positions; raise the ratio or the context size")
+    rank, k = got
+    l = int(k * fid.l[i] / fid.k[i])  # the measured share of k
+    if fid.method[i] == "sparq":
+        # the paper's choice: mean-value reallocation off for GQA models
+        chosen = SparQ(r=rank, k=k, l=l, mean_value=summary.n_head == summary.n_head_kv)
+    else:
+        chosen = Loki(d=rank, k=k, l=l, projection=str(path))
+    rival = [j for j in range(len(fid.method)) if fid.ratio[j] == base and fid.method[j] != fid.method[i]]
+    other = f"; best {fid.method[rival[0]]}: {fid.mean_mass(choose(fid, auto.ratio, fid.method[rival[0]])):.3f}" \
+        if rival else ""
+    why = (f"auto:ratio={auto.ratio:g} -> {chosen.name} ({'r' if chosen.name == 'sparq' else 'd'}={rank}, k={k}, l={l} at "
+           f"n_ctx={n_ctx}): at {fid.ctx} positions {fid.describe(i)}{other} (calibration {path.name}, "
+           f"{fid.windows} windows{'' if fid.held_out else ', the calibration text itself'})")
+    return chosen, why
+
+
+def normalises_qk(model_path) -> bool:
+    """Whether the model normalises each head's q and k (attn_q_norm/attn_k_norm tensors: Gemma 3, Qwen 3,
+    OLMo 2)."""
+    return any(t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")) for t in open_gguf(model_path).tensors)
+
+
+def known_poor(attention, model_path, summary, projection=None) -> str | None:
+    """A warning for a fixed SparQ or Loki setting known to be a poor choice on this model, or None."""
+    if not isinstance(attention, (SparQ, Loki)):
+        return None
+    path = Path(projection) if projection is not None else default_projection(Path(model_path))
+    fid = None
+    if path.is_file():
+        try:
+            fid = read_fidelity(path)
+        except SparqError:
+            fid = None
+    if fid is None:
+        if isinstance(attention, SparQ) and normalises_qk(model_path):
+            return ("this model normalises each head's q and k, where SparQ's ranking by the largest |q| components "
+                    "is known to be weak (on Gemma 3 270M at 1/8 it finds about half of the exact top-k); "
+                    f"`sparq-cpp calibrate -m {model_path} --text FILE` measures both methods on your text, "
+                    "and --attn auto then picks the better one")
+        return None
+    D, n = summary.head_dim, fid.ctx
+    rank = attention.r if isinstance(attention, SparQ) else attention.d
+    elements = (transfer.sparq_elements if isinstance(attention, SparQ) else transfer.loki_elements)(n, D, rank,
+                                                                                                    attention.k)
+    ratio = elements / transfer.dense_elements(n, D)
+    mine = choose(fid, ratio, attention.name)
+    best = choose(fid, ratio)
+    if fid.method[best] != attention.name and fid.mean_mass(best) >= fid.mean_mass(mine) + POOR_MARGIN:
+        return (f"at {ratio:.3g} of dense reads, this model's calibration ({path.name}) measured {fid.describe(best)}, "
+                f"{attention.name} at best {fid.mean_mass(mine):.3f}: --attn auto --ratio {ratio:.3g} picks the former")
+    return None
