@@ -10,8 +10,8 @@ target at n_ctx positions (sparq_cpp.transfer.rank_split). One setting for the w
 mode (the cache layout), and choosing the method per layer gained nothing where measured (docs/accuracy.md).
 A given calibration, target and n_ctx always give the same setting; its reads at n_ctx are within the target.
 
-`known_poor` is the warning generate and serve print for a fixed setting the measurement (or, without one,
-the model's q/k normalisation) says is a poor choice.
+`known_poor` is the warning generate and serve print for a fixed setting the measurement says is the worse
+choice on this model.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 from sparq_cpp import transfer
 from sparq_cpp.attention import Auto, Loki, SparQ
 from sparq_cpp.errors import SparqError
-from sparq_cpp.gguf_check import metadata_value, open_gguf
+from sparq_cpp.gguf_check import metadata_value
 from sparq_cpp.projection import default_projection, open_reader, read_projection
 
 # A fixed setting is called poor when the best measured candidate of the other method keeps this much more
@@ -147,12 +147,6 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
     return chosen, why
 
 
-def normalises_qk(model_path) -> bool:
-    """Whether the model normalises each head's q and k (attn_q_norm/attn_k_norm tensors: Gemma 3, Qwen 3,
-    OLMo 2)."""
-    return any(t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")) for t in open_gguf(model_path).tensors)
-
-
 def known_poor(attention, model_path, summary, projection=None) -> str | None:
     """A warning for a fixed SparQ or Loki setting known to be a poor choice on this model, or None."""
     if not isinstance(attention, (SparQ, Loki)):
@@ -164,12 +158,7 @@ def known_poor(attention, model_path, summary, projection=None) -> str | None:
             fid = read_fidelity(path)
         except SparqError:
             fid = None
-    if fid is None:
-        if isinstance(attention, SparQ) and normalises_qk(model_path):
-            return ("this model normalises each head's q and k, where SparQ's ranking by the largest |q| components "
-                    "is known to be weak (on Gemma 3 270M at 1/8 it finds about half of the exact top-k); "
-                    f"`sparq-cpp calibrate -m {model_path} --text FILE` measures both methods on your text, "
-                    "and --attn auto then picks the better one")
+    if fid is None:  # nothing measured on this model: no claim either way
         return None
     D, n = summary.head_dim, fid.ctx
     rank = attention.r if isinstance(attention, SparQ) else attention.d
