@@ -1,0 +1,35 @@
+#pragma once
+
+#include "llama.h"
+
+#include <string>
+
+// --sparse-attn auto[:ratio=R,proj=FILE]: the SparQ or Loki setting that a calibration of the model measured to keep
+// the most attention within R of dense attention's reads. The calibration (a Loki projection GGUF, by default
+// <model stem>.loki.gguf next to the model) holds, per candidate setting measured at some ratios, the attention
+// mass it kept in each full-attention layer (loki.fidelity.*). The choice: among the candidates at the largest
+// measured ratio not above R (else the smallest), the one with the largest mean mass over the layers; its rank is
+// scaled to R, and k is the largest whose reads at the context size stay within R of dense reads.
+
+struct common_sparse_attn_auto {
+    double      ratio = 0.125; // reads / dense reads, in (0, 1)
+    std::string proj;          // the calibration GGUF, empty = <model stem>.loki.gguf next to the model
+};
+
+// whether spec asks for auto ("auto" or "auto:...")
+bool common_sparse_attn_is_auto(const std::string & spec);
+
+// parse "auto[:ratio=R,proj=FILE]" (R a number or a fraction such as 1/8); false with a message in err if malformed
+bool common_sparse_attn_auto_parse(const std::string & spec, common_sparse_attn_auto & out, std::string & err);
+
+// the setting auto stands for on model (loaded from model_path) at n_ctx positions per sequence: out (and proj,
+// the Loki calibration path that out.loki_proj must point to) and a line saying why; false with a message in err
+bool common_sparse_attn_auto_resolve(
+        const common_sparse_attn_auto & req,
+                        llama_model * model,
+                  const std::string & model_path,
+                            int32_t   n_ctx,
+           llama_sparse_attn_params & out,
+                        std::string & proj,
+                        std::string & why,
+                        std::string & err);
