@@ -5,10 +5,13 @@ budget differently: more query components (r) or principal components (d) for th
 (k) attended. `candidates` lists, per ratio, SparQ and Loki with the rank at 1/2, 1 and 3/2 of the transfer
 formula's split (rank about ratio * D), the largest k that fits at S positions, and the l most recent kept
 (SparQ k/4; Loki 0 as in its paper, or k/4). `measure_budget` runs the
-model over windows of a text and scores every candidate per full-attention layer by the attention mass it
-keeps: the exact softmax weight (the mean over the GQA group's heads) on the positions it would attend to, its
-l most recent included, averaged over the last query rows of each window; the exact top-k's mass at the same k
-is the ceiling. The result goes into the calibration GGUF (calib.projection), where `--attn auto` reads it
+model over windows of a text and scores every candidate per full-attention layer by the error of the attention
+output it would compute: ||y_sel - y|| / ||y||, y exact attention and y_sel the same restricted (and
+renormalised) to the positions the candidate attends to, its l most recent included (no mean value), averaged
+over the last query rows of each window and the query heads; the exact top-k's error at the same k is the
+floor. It also records the attention mass kept (the exact softmax weight, the mean over the GQA group's heads,
+on those positions). The output error is what decides: on Gemma 3 SparQ and Loki keep similar mass in a layer
+whose output only one of them gets right (docs/accuracy.md). The result goes into the calibration GGUF (calib.projection), where `--attn auto` reads it
 (sparq_cpp.auto).
 """
 from __future__ import annotations
@@ -63,6 +66,15 @@ def _mass(w: np.ndarray, sel: np.ndarray) -> float:
     return float((w * sel).sum(1).mean())
 
 
+def _error(W: np.ndarray, V: np.ndarray, y: np.ndarray, sel: np.ndarray) -> float:
+    """Mean relative error ||y_sel - y|| / ||y|| over rows and heads of attention restricted to `sel` (W [R, g, n]
+    exact weights, V [n, D], y = W V)."""
+    Ws = np.where(sel[:, None, :], W, 0.0)
+    Ws /= Ws.sum(-1, keepdims=True)
+    ys = Ws @ V
+    return float((np.linalg.norm(ys - y, axis=-1) / np.maximum(np.linalg.norm(y, axis=-1), 1e-30)).mean())
+
+
 def measure_budget(model_path, text: str, *, basis=None, skip_tokens: int = 0, ratios=RATIOS, S: int = 2048,
                    n_windows: int = 4, n_rows: int = 32, n_threads=None, log=lambda msg: None) -> dict:
     """Attention mass kept by each candidate per full-attention layer (means over KV heads, rows and windows)
@@ -78,7 +90,9 @@ def measure_budget(model_path, text: str, *, basis=None, skip_tokens: int = 0, r
     layers = full_attention_layers(model_path)
     mass = np.zeros((len(cands), len(layers)))
     exact = np.zeros((len(cands), len(layers)))
-    with QKVCapture(model_path, layers=layers, ctx_size=S, n_threads=n_threads) as cap:
+    error = np.zeros((len(cands), len(layers)))
+    exact_error = np.zeros((len(cands), len(layers)))
+    with QKVCapture(model_path, layers=layers, ctx_size=S, n_threads=n_threads, want=("q", "k", "v")) as cap:
         per = S - (cap.bos is not None)
         tokens = text_tokens(cap.tokenize, text, skip_tokens + n_windows * per)
         held_out = len(tokens) - skip_tokens >= per
@@ -95,9 +109,12 @@ def measure_budget(model_path, text: str, *, basis=None, skip_tokens: int = 0, r
             got = cap.run(window)
             for j, il in enumerate(layers):
                 q, kk = got[il]["q"].astype(np.float64), got[il]["k"].astype(np.float64)
+                vv = got[il]["v"].astype(np.float64)
                 for h in range(s.n_head_kv):
-                    Q, K = q[rows, h * g:(h + 1) * g], kk[:S, h]
-                    wts = exact_weights(Q, K, kq_scale, mask).mean(1)  # [R, n]
+                    Q, K, V = q[rows, h * g:(h + 1) * g], kk[:S, h], vv[:S, h]
+                    W = exact_weights(Q, K, kq_scale, mask)  # [R, g, n]
+                    y = W @ V
+                    wts = W.mean(1)  # [R, n]
                     P = None if basis is None else np.asarray(basis[il, h], np.float64)
                     Qp, Kp = (None, None) if P is None else (Q @ P, K @ P)
                     for i, c in enumerate(cands):
@@ -105,9 +122,14 @@ def measure_budget(model_path, text: str, *, basis=None, skip_tokens: int = 0, r
                             approx = sparq_weights(Q, K, kq_scale, c["rank"], mask).sum(1)
                         else:
                             approx = loki_weights(Qp, Kp, kq_scale, c["rank"], mask).sum(1)
-                        mass[i, j] += _mass(wts, selection(approx, mask, c["k"], c["l"], rows))
-                        exact[i, j] += _mass(wts, selection(wts, mask, c["k"], 0, rows))
+                        sel = selection(approx, mask, c["k"], c["l"], rows)
+                        best = selection(wts, mask, c["k"], 0, rows)
+                        mass[i, j] += _mass(wts, sel)
+                        exact[i, j] += _mass(wts, best)
+                        error[i, j] += _error(W, V, y, sel)
+                        exact_error[i, j] += _error(W, V, y, best)
             log(f"fidelity window {w + 1}/{n_windows}")
     n = n_windows * s.n_head_kv
     return {"ctx": S, "windows": n_windows, "held_out": held_out, "rows": n_rows, "layers": layers, "candidates": cands,
-            "mass": (mass / n).tolist(), "exact_mass": (exact / n).tolist()}
+            "mass": (mass / n).tolist(), "exact_mass": (exact / n).tolist(),
+            "error": (error / n).tolist(), "exact_error": (exact_error / n).tolist()}

@@ -56,6 +56,8 @@ def _add_fidelity_metadata(w, fid: dict | None) -> None:
     w.add_array("loki.fidelity.l", [int(x["l"]) for x in c])
     w.add_array("loki.fidelity.mass", [float(v) for row in fid["mass"] for v in row])
     w.add_array("loki.fidelity.exact_mass", [float(v) for row in fid["exact_mass"] for v in row])
+    w.add_array("loki.fidelity.error", [float(v) for row in fid["error"] for v in row])
+    w.add_array("loki.fidelity.exact_error", [float(v) for row in fid["exact_error"] for v in row])
 
 
 def _loki_tensors(pca: LokiPCA):

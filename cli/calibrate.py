@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import click
+import numpy as np
 
 from sparq_cpp import lazy
 from sparq_cpp.calib.budget import measure_budget
@@ -47,19 +48,19 @@ def _out_path(model: Path, out, embed: bool) -> Path:
 
 
 def fidelity_table(fid: dict) -> str:
-    """Per ratio and candidate: the attention mass kept (mean over layers) and the exact top-k's; * = auto's pick."""
-    lines = [f"attention mass kept at {fid['ctx']} positions (mean over layers {fid['layers']}; * = --attn auto)",
-             "ratio  method  rank      k      l   mass  exact"]
+    """Per ratio and candidate: the attention output's relative error and the attention mass kept (means over
+    layers), with the exact top-k's; * = auto's pick (the smallest error)."""
+    lines = [f"attention output error and mass kept at {fid['ctx']} positions (means over layers {fid['layers']}; "
+             "* = --attn auto)", "ratio  method  rank      k      l  error  exact   mass  exact"]
     cands = fid["candidates"]
     for t in sorted({c["ratio"] for c in cands}, reverse=True):
         idx = [i for i, c in enumerate(cands) if c["ratio"] == t]
-        means = {i: sum(fid["mass"][i]) / len(fid["mass"][i]) for i in idx}
-        best = max(idx, key=lambda i: (means[i], -i))
+        mean = {key: {i: float(np.mean(fid[key][i])) for i in idx} for key in ("error", "exact_error", "mass", "exact_mass")}
+        best = min(idx, key=lambda i: (mean["error"][i], i))
         for i in idx:
             c = cands[i]
-            exact = sum(fid["exact_mass"][i]) / len(fid["exact_mass"][i])
-            lines.append(f"1/{round(1 / t):<4d} {c['method']:6s} {c['rank']:5d} {c['k']:6d} {c['l']:6d} {means[i]:6.3f} "
-                         f"{exact:6.3f}"
+            lines.append(f"1/{round(1 / t):<4d} {c['method']:6s} {c['rank']:5d} {c['k']:6d} {c['l']:6d} "
+                         + " ".join(f"{mean[key][i]:6.3f}" for key in ("error", "exact_error", "mass", "exact_mass"))
                          + (" *" if i == best else ""))
     return "\n".join(lines)
 

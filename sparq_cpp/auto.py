@@ -1,10 +1,10 @@
 """`auto`: the sparse setting with the best measured fidelity within a compression budget.
 
-`sparq-cpp calibrate` measures on the user's text how much of the exact attention mass each candidate keeps,
-per full-attention layer (calib.budget: SparQ and Loki, each with the rank at 1/2, 1 and 3/2 of the transfer
+`sparq-cpp calibrate` measures on the user's text the error of the attention output each candidate computes
+(and the attention mass it keeps), per full-attention layer (calib.budget: SparQ and Loki, each with the rank at 1/2, 1 and 3/2 of the transfer
 formula's split, at ratios 1/4, 1/8 and 1/16), and stores it in the calibration GGUF as loki.fidelity.* keys
 (`Fidelity` below). `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size
-to the method and rank whose mean mass over the layers is largest among those measured at the largest ratio
+to the method and rank whose mean output error over the layers is smallest among those measured at the largest ratio
 not above the target (the rank scaled by target / measured ratio), with k the largest whose reads fit the
 target at n_ctx positions (sparq_cpp.transfer.rank_split). One setting for the whole model: a context has one
 mode (the cache layout), and choosing the method per layer gained nothing where measured (docs/accuracy.md).
@@ -26,15 +26,16 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import metadata_value
 from sparq_cpp.projection import default_projection, open_reader, read_projection
 
-# A fixed setting is called poor when the best measured candidate of the other method keeps this much more
-# of the attention mass at the same ratio.
+# A fixed setting is called poor when the best measured candidate of the other method has this much less
+# output error (relative, ||y_sel - y|| / ||y||) at the same ratio.
 POOR_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
 class Fidelity:
     """calib.budget's measurement as stored: per candidate (method, ratio, rank, k and l at ctx positions),
-    the attention mass it keeps and the exact top-k's mass at its k, per measured layer."""
+    the relative error of its attention output and the attention mass it keeps, with the exact top-k's at its k,
+    per measured layer."""
 
     ctx: int
     windows: int
@@ -47,15 +48,20 @@ class Fidelity:
     l: tuple[int, ...]
     mass: np.ndarray  # [candidates, layers]
     exact_mass: np.ndarray
+    error: np.ndarray
+    exact_error: np.ndarray
     path: Path
 
     def mean_mass(self, i: int) -> float:
         return float(self.mass[i].mean())
 
+    def mean_error(self, i: int) -> float:
+        return float(self.error[i].mean())
+
     def describe(self, i: int) -> str:
         name = "r" if self.method[i] == "sparq" else "d"
-        return (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]}: keeps {self.mean_mass(i):.3f} of the attention "
-                f"(exact top-k {float(self.exact_mass[i].mean()):.3f})")
+        return (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]}: output error {self.mean_error(i):.3f} "
+                f"(exact top-k {float(self.exact_error[i].mean()):.3f}), keeps {self.mean_mass(i):.3f} of the attention")
 
 
 def read_fidelity(path) -> Fidelity | None:
@@ -66,7 +72,8 @@ def read_fidelity(path) -> Fidelity | None:
     if ctx is None:
         return None
     keys = {key: metadata_value(r, f"loki.fidelity.{key}") for key in
-            ("windows", "held_out", "layers", "method", "ratio", "rank", "k", "l", "mass", "exact_mass")}
+            ("windows", "held_out", "layers", "method", "ratio", "rank", "k", "l", "mass", "exact_mass", "error",
+             "exact_error")}
     missing = [key for key, v in keys.items() if v is None]
     if missing:
         raise SparqError(f"{path}: loki.fidelity.{missing[0]} is missing; calibrate the model again")
@@ -75,16 +82,17 @@ def read_fidelity(path) -> Fidelity | None:
     for key in ("ratio", "rank", "k", "l"):
         if len(keys[key]) != n:
             raise SparqError(f"{path}: loki.fidelity.{key} has {len(keys[key])} values for {n} candidates")
-    mass, exact = (np.asarray(keys[key], np.float64) for key in ("mass", "exact_mass"))
-    if n == 0 or L == 0 or mass.size != n * L or exact.size != n * L or not np.isfinite(mass).all():
-        raise SparqError(f"{path}: loki.fidelity.mass must hold {n} x {L} finite values; calibrate the model again")
+    arrays = {key: np.asarray(keys[key], np.float64) for key in ("mass", "exact_mass", "error", "exact_error")}
+    for key, a in arrays.items():
+        if n == 0 or L == 0 or a.size != n * L or not np.isfinite(a).all():
+            raise SparqError(f"{path}: loki.fidelity.{key} must hold {n} x {L} finite values; calibrate the model again")
     if any(m not in ("sparq", "loki") for m in keys["method"]):
         raise SparqError(f"{path}: loki.fidelity.method holds an unknown method: {sorted(set(keys['method']))}")
     return Fidelity(ctx=int(ctx), windows=int(keys["windows"]), held_out=bool(keys["held_out"]),
                     layers=tuple(int(x) for x in keys["layers"]), method=tuple(keys["method"]),
                     ratio=tuple(float(x) for x in keys["ratio"]), rank=tuple(int(x) for x in keys["rank"]),
                     k=tuple(int(x) for x in keys["k"]), l=tuple(int(x) for x in keys["l"]),
-                    mass=mass.reshape(n, L), exact_mass=exact.reshape(n, L), path=path)
+                    **{key: a.reshape(n, L) for key, a in arrays.items()}, path=path)
 
 
 def _measured_ratio(fid: Fidelity, target: float) -> float:
@@ -96,13 +104,13 @@ def _measured_ratio(fid: Fidelity, target: float) -> float:
 
 
 def choose(fid: Fidelity, target: float, method: str | None = None) -> int:
-    """The index of the candidate with the largest mean mass at the measured ratio for target (of `method`
+    """The index of the candidate with the smallest mean output error at the measured ratio for target (of `method`
     only, if given); the first such candidate on a tie."""
     base = _measured_ratio(fid, target)
     idx = [i for i in range(len(fid.method)) if fid.ratio[i] == base and method in (None, fid.method[i])]
     if not idx:
         raise SparqError(f"{fid.path}: no {method or 'sparse'} setting was measured at ratio {base:.4g}")
-    return max(idx, key=lambda i: (fid.mean_mass(i), -i))
+    return min(idx, key=lambda i: (fid.mean_error(i), i))
 
 
 def calibration_for(model_path, projection=None) -> Path:
@@ -139,7 +147,7 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
     else:
         chosen = Loki(d=rank, k=k, l=l, projection=str(path))
     rival = [j for j in range(len(fid.method)) if fid.ratio[j] == base and fid.method[j] != fid.method[i]]
-    other = f"; best {fid.method[rival[0]]}: {fid.mean_mass(choose(fid, auto.ratio, fid.method[rival[0]])):.3f}" \
+    other = f"; best {fid.method[rival[0]]}: {fid.mean_error(choose(fid, auto.ratio, fid.method[rival[0]])):.3f}" \
         if rival else ""
     why = (f"auto:ratio={auto.ratio:g} -> {chosen.name} ({'r' if chosen.name == 'sparq' else 'd'}={rank}, k={k}, l={l} at "
            f"n_ctx={n_ctx}): at {fid.ctx} positions {fid.describe(i)}{other} (calibration {path.name}, "
@@ -167,7 +175,8 @@ def known_poor(attention, model_path, summary, projection=None) -> str | None:
     ratio = elements / transfer.dense_elements(n, D)
     mine = choose(fid, ratio, attention.name)
     best = choose(fid, ratio)
-    if fid.method[best] != attention.name and fid.mean_mass(best) >= fid.mean_mass(mine) + POOR_MARGIN:
+    if fid.method[best] != attention.name and fid.mean_error(best) <= fid.mean_error(mine) - POOR_MARGIN:
         return (f"at {ratio:.3g} of dense reads, this model's calibration ({path.name}) measured {fid.describe(best)}, "
-                f"{attention.name} at best {fid.mean_mass(mine):.3f}: --attn auto --ratio {ratio:.3g} picks the former")
+                f"{attention.name} at best an output error of {fid.mean_error(mine):.3f}: --attn auto --ratio {ratio:.3g} "
+                "picks the former")
     return None

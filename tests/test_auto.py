@@ -79,8 +79,10 @@ def test_fidelity_round_trips_and_is_bounded_by_exact(calibration):
     assert got.ctx == CTX and got.windows == fid["windows"] and got.layers == tuple(fid["layers"])
     assert got.method == tuple(c["method"] for c in fid["candidates"])
     np.testing.assert_allclose(got.mass, np.array(fid["mass"]), rtol=1e-6)
+    np.testing.assert_allclose(got.error, np.array(fid["error"]), rtol=1e-6)
     # no ranking keeps more than the exact top-k of its k; the local window can only add what top-k also has
     assert (got.mass <= got.exact_mass + 1e-6).all() and (got.mass > 0).all()
+    assert (got.error >= 0).all() and (got.exact_error >= 0).all() and (got.error < 2).all()
 
 
 def test_auto_is_deterministic_and_within_budget(calibration):
@@ -94,11 +96,11 @@ def test_auto_is_deterministic_and_within_budget(calibration):
             rank = a.r if isinstance(a, SparQ) else a.d
             f = transfer.sparq_elements if isinstance(a, SparQ) else transfer.loki_elements
             assert f(n_ctx, summary.head_dim, rank, a.k) <= ratio * transfer.dense_elements(n_ctx, summary.head_dim)
-    # the pick is the candidate with the largest mean mass at the ratio
+    # the pick is the candidate with the smallest mean output error at the ratio
     fid = read_fidelity(proj)
     i = choose(fid, 1 / 8)
     same = [j for j in range(len(fid.method)) if fid.ratio[j] == fid.ratio[i]]
-    assert fid.mean_mass(i) == max(fid.mean_mass(j) for j in same)
+    assert fid.mean_error(i) == min(fid.mean_error(j) for j in same)
 
 
 def test_llama_opens_auto_and_generates(calibration):
@@ -151,7 +153,7 @@ def test_known_poor_names_the_better_method(calibration, monkeypatch):
     fid = read_fidelity(proj)
     # make Loki look far better than SparQ at every ratio, then ask about a SparQ setting
     loki = np.array([m == "loki" for m in fid.method])
-    rigged = dataclasses.replace(fid, mass=np.where(loki[:, None], 0.9, 0.1))
+    rigged = dataclasses.replace(fid, error=np.where(loki[:, None], 0.1, 0.9))
     monkeypatch.setattr("sparq_cpp.auto.read_fidelity", lambda path: rigged)
     warning = known_poor(SparQ(r=8, k=64), model, summary)
     assert warning and "loki" in warning and "--attn auto" in warning
@@ -183,5 +185,5 @@ def test_cli_calibrate_prints_the_fidelity_table(tmp_path):
     proc = run_cli("calibrate", "-m", model, "--text", text, "--tokens", "1024", "--ctx-size", str(CTX), "-t", "2",
                    "--fidelity-windows", "1")
     assert proc.returncode == 0, proc.stderr
-    assert "attention mass kept at 512 positions" in proc.stdout and " *" in proc.stdout
+    assert "attention output error and mass kept at 512 positions" in proc.stdout and " *" in proc.stdout
     assert read_fidelity(tmp_path / "m.loki.gguf").windows == 1

@@ -34,21 +34,22 @@ def _identity_pca(summary) -> LokiPCA:
 
 
 def _fidelity(summary, rig: str, seed: int = 0) -> dict:
-    """A measurement over the real candidate list: random masses, or rigged so that SparQ or Loki wins, or so that
-    two candidates tie for the best (the first must be chosen)."""
+    """A measurement over the real candidate list: random output errors, or rigged so that SparQ or Loki wins, or so
+    that two candidates tie for the best (the first must be chosen)."""
     cands = candidates((1 / 4, 1 / 8, 1 / 16), CTX, summary.head_dim)
     L = summary.n_layer
     rng = np.random.default_rng(seed)
-    mass = rng.uniform(0.3, 0.8, (len(cands), L))
+    error = rng.uniform(0.2, 0.7, (len(cands), L))
     if rig in ("sparq", "loki"):
-        mass[[c["method"] == rig for c in cands]] += 0.15
+        error[[c["method"] == rig for c in cands]] -= 0.15
     elif rig == "tie":
         for t in (1 / 4, 1 / 8, 1 / 16):
             idx = [i for i, c in enumerate(cands) if c["ratio"] == t]
-            mass[idx[-1]] = mass[idx[1]] = 0.95  # a later Loki and an earlier SparQ candidate
-    exact = np.minimum(mass + 0.05, 1.0)
+            error[idx[-1]] = error[idx[1]] = 0.01  # a later Loki and an earlier SparQ candidate
+    mass = rng.uniform(0.3, 0.8, (len(cands), L))
     return {"ctx": CTX, "windows": 2, "held_out": rig != "tie", "layers": list(range(L)), "candidates": cands,
-            "mass": mass.tolist(), "exact_mass": exact.tolist()}
+            "mass": mass.tolist(), "exact_mass": np.minimum(mass + 0.05, 1.0).tolist(),
+            "error": error.tolist(), "exact_error": (error * 0.5).tolist()}
 
 
 def _calibrated(tmp_path, preset, rig="random"):

@@ -101,7 +101,8 @@ bool common_sparse_attn_auto_parse(const std::string & spec, common_sparse_attn_
 }
 
 // the calibration's fidelity measurement (loki.fidelity.*): per candidate its method, ratio, rank, k and l at ctx
-// positions, and the attention mass it kept per measured layer ([candidate][layer])
+// positions, and per measured layer ([candidate][layer]) the relative error of its attention output and the
+// attention mass it kept, with the exact top-k's at its k
 struct sa_fidelity {
     uint32_t ctx     = 0;
     uint32_t windows = 0;
@@ -111,7 +112,7 @@ struct sa_fidelity {
     std::vector<std::string> method;
     std::vector<double>      ratio;
     std::vector<int64_t>     rank, k, l;
-    std::vector<double>      mass, exact_mass;
+    std::vector<double>      mass, exact_mass, error, exact_error;
 };
 
 static bool sa_get_int(const gguf_context * ctx, int64_t id, size_t i, int64_t & out) {
@@ -249,7 +250,9 @@ static bool sa_read_fidelity(const std::string & path, sa_fidelity & fid, std::s
     if (!ints("rank", fid.rank) || !ints("k", fid.k) || !ints("l", fid.l) ||
         !floats("ratio", n, false, fid.ratio) ||
         !floats("mass", n * fid.n_layer, true, fid.mass) ||
-        !floats("exact_mass", n * fid.n_layer, false, fid.exact_mass)) {
+        !floats("exact_mass", n * fid.n_layer, true, fid.exact_mass) ||
+        !floats("error", n * fid.n_layer, true, fid.error) ||
+        !floats("exact_error", n * fid.n_layer, true, fid.exact_error)) {
         return false;
     }
     for (size_t i = 0; i < n; ++i) {
@@ -309,20 +312,20 @@ static double sa_measured_ratio(const sa_fidelity & fid, double target) {
     return below >= 0.0 ? below : least;
 }
 
-// the candidate with the largest mean mass at the measured ratio for target (of method only, if not empty); the
-// first on a tie; -1 if none
+// the candidate with the smallest mean output error at the measured ratio for target (of method only, if not
+// empty); the first on a tie; -1 if none
 static int sa_choose(const sa_fidelity & fid, double target, const std::string & method = "") {
     const double base = sa_measured_ratio(fid, target);
     int best = -1;
-    double best_mass = 0.0;
+    double best_error = 0.0;
     for (size_t i = 0; i < fid.method.size(); ++i) {
         if (fid.ratio[i] != base || (!method.empty() && fid.method[i] != method)) {
             continue;
         }
-        const double m = sa_mean(fid.mass, i, fid.n_layer);
-        if (best < 0 || m > best_mass) {
-            best      = (int) i;
-            best_mass = m;
+        const double e = sa_mean(fid.error, i, fid.n_layer);
+        if (best < 0 || e < best_error) {
+            best       = (int) i;
+            best_error = e;
         }
     }
     return best;
@@ -458,16 +461,16 @@ bool common_sparse_attn_auto_resolve(
     out.l = (int32_t) l;
 
     auto describe = [&](int j) {
-        return string_format("%s %s=%lld k=%lld l=%lld: keeps %.3f of the attention (exact top-k %.3f)",
+        return string_format("%s %s=%lld k=%lld l=%lld: output error %.3f (exact top-k %.3f), keeps %.3f of the attention",
                 fid.method[j].c_str(), fid.method[j] == "sparq" ? "r" : "d", (long long) fid.rank[j],
-                (long long) fid.k[j], (long long) fid.l[j], sa_mean(fid.mass, j, fid.n_layer),
-                sa_mean(fid.exact_mass, j, fid.n_layer));
+                (long long) fid.k[j], (long long) fid.l[j], sa_mean(fid.error, j, fid.n_layer),
+                sa_mean(fid.exact_error, j, fid.n_layer), sa_mean(fid.mass, j, fid.n_layer));
     };
     std::string other;
     for (size_t j = 0; j < fid.method.size(); ++j) {
         if (fid.ratio[j] == base && fid.method[j] != fid.method[i]) {
             const int b = sa_choose(fid, req.ratio, fid.method[j]);
-            other = string_format("; best %s: %.3f", fid.method[j].c_str(), sa_mean(fid.mass, b, fid.n_layer));
+            other = string_format("; best %s: %.3f", fid.method[j].c_str(), sa_mean(fid.error, b, fid.n_layer));
             break;
         }
     }
