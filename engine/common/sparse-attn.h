@@ -4,12 +4,13 @@
 
 #include <string>
 
-// --sparse-attn auto[:ratio=R,proj=FILE]: the SparQ or Loki setting that a calibration of the model measured to keep
-// the most attention within R of dense attention's reads. The calibration (a Loki projection GGUF, by default
-// <model stem>.loki.gguf next to the model) holds, per candidate setting measured at some ratios, the attention
-// mass it kept in each full-attention layer (loki.fidelity.*). The choice: among the candidates at the largest
-// measured ratio not above R (else the smallest), the one with the largest mean mass over the layers; its rank is
-// scaled to R, and k is the largest whose reads at the context size stay within R of dense reads.
+// --sparse-attn auto[:ratio=R,proj=FILE]: the SparQ or Loki setting that a calibration of the model measured to
+// compute the attention output best within R of dense attention's reads. The calibration (a Loki projection GGUF,
+// by default <model stem>.loki.gguf next to the model) holds, per candidate setting measured at some ratios, the
+// relative error of the attention output (and the attention mass kept) in each full-attention layer
+// (loki.fidelity.*). The choice: among the candidates at the largest measured ratio not above R (else the
+// smallest), the one with the smallest mean error over the layers; its rank is scaled to R, and k is the largest
+// whose reads at the context size stay within R of dense reads.
 
 struct common_sparse_attn_auto {
     double      ratio = 0.125; // reads / dense reads, in (0, 1)
