@@ -149,11 +149,12 @@ def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_
     attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
                                        ratio=ratio)
     summary = check_gguf(path)
-    if isinstance(attention, Auto):
+    if isinstance(attention, Auto):  # resolved for one slot's context
         check_sparse(summary, "auto")
-        if parallel >= 1:
-            attention, why = resolve(attention, path, summary, max(1, server_ctx(summary, ctx_size, parallel) // parallel))
-            click.echo(why, err=True)
+        if parallel < 1:
+            raise SparqError(f"--parallel must be >= 1, got {parallel}")
+        attention, why = resolve(attention, path, summary, max(1, server_ctx(summary, ctx_size, parallel) // parallel))
+        click.echo(why, err=True)
     else:
         warning = known_poor(attention, path, summary, loki_pca)
         if warning:
