@@ -3,8 +3,9 @@
 For each target compression ratio (attention data read / dense, docs/spec.md) SparQ and Loki can spend the
 budget differently: more query components (r) or principal components (d) for the ranking, or more positions
 (k) attended. `candidates` lists, per ratio, SparQ and Loki with the rank at 1/2, 1 and 3/2 of the transfer
-formula's split (rank about ratio * D), the largest k that fits at S positions, and the l most recent kept
-(SparQ k/4; Loki 0 as in its paper, or k/4). `measure_budget` runs the
+formula's split (rank about ratio * D), the largest k that fits at S positions, the l most recent kept
+(SparQ k/4; Loki 0 as in its paper, or k/4), and with or without the first position always kept (sink = 1: many
+models park attention on it whatever the query; Loki's first components often rank it low). `measure_budget` runs the
 model over windows of a text and scores every candidate per full-attention layer by the error of the attention
 output it would compute: ||y_sel - y|| / ||y||, y exact attention and y_sel the same restricted (and
 renormalised) to the positions the candidate attends to, its l most recent included (no mean value), averaged
@@ -27,10 +28,12 @@ from sparq_cpp.gguf_check import check_gguf
 RATIOS = (1 / 4, 1 / 8, 1 / 16)
 RANK_SHARES = (0.5, 1.0, 1.5)
 LOCAL_SHARES = {"sparq": (0.25,), "loki": (0.0, 0.25)}  # l / k: SparQ's default; Loki's paper (0) and SparQ's
+SINKS = (0, 1)  # the first positions always kept: none (the papers), or the first (BOS, where models put it)
 
 
 def candidates(ratios, S: int, D: int, loki: bool = True) -> list[dict]:
-    """Settings per ratio: {"ratio", "method", "rank", "k", "l"} (l from LOCAL_SHARES), k at S."""
+    """Settings per ratio: {"ratio", "method", "rank", "k", "l", "sink"} (l from LOCAL_SHARES, sink from SINKS),
+    k at S."""
     out = []
     for t in ratios:
         for method in ("sparq", "loki") if loki else ("sparq",):
@@ -41,24 +44,29 @@ def candidates(ratios, S: int, D: int, loki: bool = True) -> list[dict]:
                     continue  # out of reach, or dense at S
                 rank, k = got
                 for share in LOCAL_SHARES[method]:
-                    out.append({"ratio": t, "method": method, "rank": rank, "k": k, "l": int(k * share)})
+                    for sink in SINKS:
+                        if sink <= k - int(k * share):
+                            out.append({"ratio": t, "method": method, "rank": rank, "k": k, "l": int(k * share),
+                                        "sink": sink})
     return out
 
 
-def selection(scores: np.ndarray, mask: np.ndarray, k: int, l: int, rows: np.ndarray) -> np.ndarray:
+def selection(scores: np.ndarray, mask: np.ndarray, k: int, l: int, rows: np.ndarray, sink: int = 0) -> np.ndarray:
     """bool [R, n]: per query row, its l most recent visible positions and the k - l others with the largest
-    scores (as the op selects; ties in any order)."""
+    scores, positions below sink first (as the op selects; ties in any order). Position = index here."""
     R, n = scores.shape
     pos = np.arange(n)[None, :]
     local = mask & (pos > rows[:, None] - l) if l > 0 else np.zeros_like(mask)
     s = np.where(mask & ~local, scores, -np.inf)
+    if sink > 0:
+        s = np.where(mask & ~local & (pos < sink), np.inf, s)
     rest = k - l
     sel = local.copy()
     if rest > 0:
         idx = np.argpartition(-s, rest - 1, axis=1)[:, :rest]
         top = np.zeros_like(mask)
         np.put_along_axis(top, idx, True, axis=1)
-        sel |= top & np.isfinite(s)
+        sel |= top & (s > -np.inf)
     return sel
 
 
@@ -122,7 +130,7 @@ def measure_budget(model_path, text: str, *, basis=None, skip_tokens: int = 0, r
                             approx = sparq_weights(Q, K, kq_scale, c["rank"], mask).sum(1)
                         else:
                             approx = loki_weights(Qp, Kp, kq_scale, c["rank"], mask).sum(1)
-                        sel = selection(approx, mask, c["k"], c["l"], rows)
+                        sel = selection(approx, mask, c["k"], c["l"], rows, c["sink"])
                         best = selection(wts, mask, c["k"], 0, rows)
                         mass[i, j] += _mass(wts, sel)
                         exact[i, j] += _mass(wts, best)

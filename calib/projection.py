@@ -54,10 +54,18 @@ def _add_fidelity_metadata(w, fid: dict | None) -> None:
     w.add_array("loki.fidelity.rank", [int(x["rank"]) for x in c])
     w.add_array("loki.fidelity.k", [int(x["k"]) for x in c])
     w.add_array("loki.fidelity.l", [int(x["l"]) for x in c])
+    w.add_array("loki.fidelity.sink", [int(x["sink"]) for x in c])
     w.add_array("loki.fidelity.mass", [float(v) for row in fid["mass"] for v in row])
     w.add_array("loki.fidelity.exact_mass", [float(v) for row in fid["exact_mass"] for v in row])
     w.add_array("loki.fidelity.error", [float(v) for row in fid["error"] for v in row])
     w.add_array("loki.fidelity.exact_error", [float(v) for row in fid["exact_error"] for v in row])
+    probe = fid.get("probe")
+    if probe is not None:  # calib.probe's end-to-end measurement of some candidates
+        w.add_uint32("loki.fidelity.probe_samples", int(probe["samples"]))
+        w.add_array("loki.fidelity.probed", [int(x) for x in probe["probed"]])
+        w.add_array("loki.fidelity.probe_text", [float(x) for x in probe["text"]])
+        w.add_array("loki.fidelity.probe_copy", [float(x) for x in probe["copy"]])
+        w.add_array("loki.fidelity.probe_dense", [float(probe["dense_text"]), float(probe["dense_copy"])])
 
 
 def _loki_tensors(pca: LokiPCA):

@@ -1,6 +1,7 @@
 """`sparq-cpp calibrate`: Loki's PCA of a model's keys (pre and post RoPE), written as a projection GGUF."""
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,11 +11,14 @@ import numpy as np
 from sparq_cpp import lazy
 from sparq_cpp.calib.budget import measure_budget
 from sparq_cpp.calib.figure import rank_figure
+from sparq_cpp.calib.probe import pick
+from sparq_cpp.calib.probe import probe as run_probe
 from sparq_cpp.calib.projection import check_embeddable, embed_projection, write_projection
 from sparq_cpp.calib.run import calibrate, check_sizes
 from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
                                    threads_type)
 from sparq_cpp.cli.runner import run_standalone
+from sparq_cpp.auto import Fidelity, choose
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf, check_sparse
 from sparq_cpp.outfile import check_writable
@@ -47,21 +51,23 @@ def _out_path(model: Path, out, embed: bool) -> Path:
     return out
 
 
-def fidelity_table(fid: dict) -> str:
+def fidelity_table(fid: dict, path) -> str:
     """Per ratio and candidate: the attention output's relative error and the attention mass kept (means over
-    layers), with the exact top-k's; * = auto's pick (the smallest error)."""
-    lines = [f"attention output error and mass kept at {fid['ctx']} positions (means over layers {fid['layers']}; "
-             "* = --attn auto)", "ratio  method  rank      k      l  error  exact   mass  exact"]
-    cands = fid["candidates"]
-    for t in sorted({c["ratio"] for c in cands}, reverse=True):
-        idx = [i for i, c in enumerate(cands) if c["ratio"] == t]
-        mean = {key: {i: float(np.mean(fid[key][i])) for i in idx} for key in ("error", "exact_error", "mass", "exact_mass")}
-        best = min(idx, key=lambda i: (mean["error"][i], i))
+    layers), with the exact top-k's, and for the probed ones the bits per character lost on text and on a
+    retrieval; * = auto's pick (sparq_cpp.auto.choose)."""
+    f = Fidelity.of(fid, path)
+    lines = [f"attention output error and mass kept at {fid['ctx']} positions (means over layers {fid['layers']}), "
+             "bits per character lost end to end on text and on a retrieval; * = --attn auto",
+             "ratio  method  rank      k      l sink  error  exact   mass  exact    text    copy"]
+    for t in sorted(set(f.ratio), reverse=True):
+        idx = [i for i in range(len(f.method)) if f.ratio[i] == t]
+        best = choose(f, t)
         for i in idx:
-            c = cands[i]
-            lines.append(f"1/{round(1 / t):<4d} {c['method']:6s} {c['rank']:5d} {c['k']:6d} {c['l']:6d} "
-                         + " ".join(f"{mean[key][i]:6.3f}" for key in ("error", "exact_error", "mass", "exact_mass"))
-                         + (" *" if i == best else ""))
+            probed = f"{f.probe_text[i]:+7.3f} {f.probe_copy[i]:+7.3f}" if f.probed[i] else ""
+            lines.append(f"1/{round(1 / t):<4d} {f.method[i]:6s} {f.rank[i]:5d} {f.k[i]:6d} {f.l[i]:6d} {f.sink[i]:4d} "
+                         + " ".join(f"{x:6.3f}" for x in (f.mean_error(i), float(f.exact_error[i].mean()),
+                                                          f.mean_mass(i), float(f.exact_mass[i].mean())))
+                         + (f" {probed}" if probed else "") + (" *" if i == best else ""))
     return "\n".join(lines)
 
 
@@ -92,10 +98,13 @@ def _table(pca) -> str:
                    "at ratios 1/4, 1/8 and 1/16 (stored in the output; --attn auto chooses from it).")
 @click.option("--fidelity-windows", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Windows of --ctx-size tokens the fidelity is measured on.")
+@click.option("--probe/--no-probe", default=True, show_default=True,
+              help="With --fidelity: also run the best setting of each method per ratio end to end on the text (bits "
+                   "per character lost on ordinary text and on a repeated paragraph); --attn auto prefers it.")
 @click.option("--figure", default=None, metavar="PNG",
               help="Also write the Loki paper's Figure 2 for this model (PNG; needs matplotlib, the [plot] extra).")
 @progress_option
-def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fidelity_windows, figure, progress):
+def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fidelity_windows, probe, figure, progress):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
@@ -123,13 +132,25 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
                    f"{time.perf_counter() - t1:.1f} s" + ("" if fid["held_out"] else
                                                          " (the calibration text itself: give more text to hold "
                                                          "some out)"), err=True)
+        if probe:
+            t2 = time.perf_counter()
+            idx = pick(fid)
+            try:
+                with tempfile.TemporaryDirectory() as tmp:  # the basis the Loki runs read, before the output exists
+                    basis = write_projection(Path(tmp) / "probe.loki.gguf", pca, model, ctx_size=ctx_size)
+                    fid["probe"] = run_probe(model, str(basis), text, fid["candidates"], idx, S=ctx_size,
+                                             skip_tokens=pca.n_tokens, n_threads=threads,
+                                             log=lambda m: click.echo(m, err=True))
+                click.echo(f"probed {len(idx)} settings end to end in {time.perf_counter() - t2:.1f} s", err=True)
+            except SparqError as e:  # the layer errors still stand; auto then chooses by them
+                click.echo(f"warning: no end-to-end probe ({e}); --attn auto will choose by the layer errors", err=True)
     if embed:
         embed_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid)
     else:
         write_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid)
     click.echo(_table(pca))
     if fid is not None:
-        click.echo(fidelity_table(fid))
+        click.echo(fidelity_table(fid, out))
     click.echo(f"calibrated {summary.name} on {pca.n_tokens} tokens in {seconds:.1f} s "
                f"({pca.n_tokens / seconds:.0f} tokens/s)", err=True)
     click.echo(f"wrote {out}", err=True)

@@ -77,6 +77,8 @@ def _data(items):
 @click.option("--local", "sparq_local", default="1/4", show_default=True,
               help="SparQ: the most recent positions kept (l) as a share of k, in [0, 1].")
 @click.option("--d", "loki_d", type=click.IntRange(min=1), default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
+@click.option("--sink", type=click.IntRange(min=0), default=0, show_default=True,
+              help="SparQ and Loki: positions below this (the first tokens, an attention sink) always kept, within k.")
 @click.option("--mean-value/--no-mean-value", default=None,
               help="SparQ's mean-value reallocation (default: on for MHA, off for GQA models, as in the paper).")
 @click.option("--loki-projection", type=click.Path(dir_okay=False), default=None,
@@ -92,8 +94,8 @@ def _data(items):
 @progress_option
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
 def command(model, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
-            sparq_r, sparq_local, loki_d, mean_value, loki_projection, cache_type, threads, seed, json_path, plot_path,
-            progress, help_formats):
+            sparq_r, sparq_local, loki_d, sink, mean_value, loki_projection, cache_type, threads, seed, json_path,
+            plot_path, progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
     needle in a haystack, key-value retrieval, copying a paragraph of random words. The reference (exact top-k, H2O, LM-Infinite, and any
     METHOD@ref) is a numpy forward pass: practical for small models only (see the README)."""
@@ -127,7 +129,7 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
         data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_d=loki_d,
-        mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress_enabled(progress))
+        sink=sink, mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     doc["summary"] = results.summarize(doc["records"])
     doc["grid"] = results.grid(doc["records"])

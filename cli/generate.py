@@ -50,13 +50,13 @@ class _Utf8Stream:
 
 
 def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None,
-                           model: Path | None = None, ratio=None):
+                           model: Path | None = None, ratio=None, sink=None):
     """The attention settings the options ask for. Loki without --loki-pca takes `<model stem>.loki.gguf`
     next to the model when there is one (what `sparq-cpp calibrate` writes) and says so; auto reads the same
     calibration (sparq_cpp.auto resolves it when the model is opened)."""
     if attn == "auto":
         given = [name for name, v in (("--sparq-r", r), ("--loki-d", d), ("--sparse-k", k), ("--sparse-l", l),
-                                       ("--alisa-c", c)) if v is not None] + (["--no-mean-value"] if no_mean_value else [])
+                                       ("--sparse-sink", sink), ("--alisa-c", c)) if v is not None] + (["--no-mean-value"] if no_mean_value else [])
         if given:
             raise SparqError(f"--attn auto chooses the method and its settings; drop {', '.join(given)} (the budget "
                              "is --ratio)")
@@ -68,18 +68,18 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
                          "--sparse-k")
     sparq_only = r is not None or no_mean_value
     loki_only = d is not None or loki_pca is not None
-    shared = k is not None or l is not None
+    shared = k is not None or l is not None or sink is not None
     if c is not None and (sparq_only or loki_only or shared):
-        raise SparqError("--alisa-c is ALISA's setting and --sparq-r/--loki-d/--sparse-k/--sparse-l/--no-mean-value/"
-                         "--loki-pca are SparQ's and Loki's; ALISA takes only --alisa-c")
+        raise SparqError("--alisa-c is ALISA's setting and --sparq-r/--loki-d/--sparse-k/--sparse-l/--sparse-sink/"
+                         "--no-mean-value/--loki-pca are SparQ's and Loki's; ALISA takes only --alisa-c")
     if attn is None:
         if sparq_only and loki_only:
             raise SparqError("--sparq-r/--no-mean-value are SparQ settings and --loki-d/--loki-pca Loki ones; "
                              "pick one --attn")
         attn = "alisa" if c is not None else "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
     if attn == "dense" and (sparq_only or loki_only or shared or c is not None):
-        raise SparqError("--sparq-r/--loki-d/--sparse-k/--sparse-l/--alisa-c/--no-mean-value/--loki-pca are sparse "
-                         "attention settings; drop them or use --attn sparq, loki or alisa")
+        raise SparqError("--sparq-r/--loki-d/--sparse-k/--sparse-l/--sparse-sink/--alisa-c/--no-mean-value/--loki-pca "
+                         "are sparse attention settings; drop them or use --attn sparq, loki or alisa")
     if attn == "alisa":
         return ALISA(c=0.125 if c is None else c)
     if c is not None:
@@ -89,7 +89,8 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
     if attn == "loki" and sparq_only:
         raise SparqError("--sparq-r/--no-mean-value are SparQ settings; use --attn sparq")
     if attn == "sparq":
-        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value)
+        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value,
+                     sink=0 if sink is None else sink)
     if attn == "loki":
         if loki_pca is not None and not Path(loki_pca).is_file():
             raise SparqError(f"--loki-pca: file not found: {loki_pca}")
@@ -99,7 +100,7 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
                 loki_pca = str(beside)
                 click.echo(f"loki    projection {beside} (next to the model; --loki-pca picks another)", err=True)
         return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
-                    projection=loki_pca, variant=loki_variant)
+                    projection=loki_pca, variant=loki_variant, sink=0 if sink is None else sink)
     return Dense()
 
 
@@ -168,7 +169,7 @@ def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
 @flash_attn_option
 @attention_options
 def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, seed, temp, top_k, top_p,
-            cache_type_k, cache_type_v, cache_type, flash_attn, attn, ratio, r, d, k, l, no_mean_value, loki_pca,
+            cache_type_k, cache_type_v, cache_type, flash_attn, attn, ratio, r, d, k, l, sink, no_mean_value, loki_pca,
             loki_variant, c):
     """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
     models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
@@ -179,7 +180,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     text = _read_prompt(prompt, prompt_file)
     path = resolve_model(model)
     attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
-                                       ratio=ratio)
+                                       ratio=ratio, sink=sink)
     fa = flash_attn_for(flash_attn, attention)
     if system is not None and chat is False:
         raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")

@@ -112,8 +112,8 @@ class _AmbiguousC(click.Option):
 
 def attention_options(command):
     """The attention options of `generate` and `serve`: --attn, SparQ's --sparq-r/--no-mean-value, Loki's
-    --loki-d/--loki-pca/--loki-variant, --sparse-k/--sparse-l for both, ALISA's --alisa-c and auto's --ratio
-    (see cli.generate.attention_from_options). --r, --d, --k, --l are kept as short aliases."""
+    --loki-d/--loki-pca/--loki-variant, --sparse-k/--sparse-l/--sparse-sink for both, ALISA's --alisa-c and auto's
+    --ratio (see cli.generate.attention_from_options). --r, --d, --k, --l, --sink are kept as short aliases."""
     options = [
         click.option("--attn", type=click.Choice(["dense", "sparq", "loki", "alisa", "auto"]), default=None,
                      help="Attention: dense, sparq (the default when --sparq-r or --sparse-k is given), loki (the "
@@ -129,6 +129,9 @@ def attention_options(command):
                      help="SparQ/Loki: positions attended per step, >= 1 [128]."),
         click.option("--sparse-l", "--l", "l", type=int, default=None,
                      help="SparQ/Loki: most recent positions always kept, 0..k [SparQ k/4, Loki 0]."),
+        click.option("--sparse-sink", "--sink", "sink", type=int, default=None,
+                     help="SparQ/Loki: positions below this (the first tokens, an attention sink) always kept, "
+                          "0..k - l [0]."),
         click.option("--no-mean-value", is_flag=True,
                      help="SparQ: no mean-value reallocation (the paper's choice for GQA models, e.g. Llama 3, Mistral)."),
         click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,

@@ -107,8 +107,9 @@ class LlamaSession:
             return ALISA(c=params["c"])
         if self.method == "sparq":
             return SparQ(r=params["r"], k=params["k"], l=params["l"], mean_value=self.mean_value,
-                         sparse_prompt=sparse_rows)
-        return self._loki(d=params["d"], k=params["k"], l=params.get("l", 0), sparse_prompt=sparse_rows)
+                         sparse_prompt=sparse_rows, sink=params.get("sink", 0))
+        return self._loki(d=params["d"], k=params["k"], l=params.get("l", 0), sparse_prompt=sparse_rows,
+                          sink=params.get("sink", 0))
 
     def _last_logits(self, rows: int) -> np.ndarray:
         ctx = self.llm._ctx

@@ -59,13 +59,13 @@ class RefSession:
         if method == "dense":
             return DenseAttention()
         if method == "sparq":
-            att = SparQAttention(params["r"], params["k"], params["l"], params.get("mean_value", True))
+            att = SparQAttention(params["r"], params["k"], params["l"], params.get("mean_value", True), params.get("sink", 0))
         elif method == "exact-topk":
             att = ExactTopKAttention(params["k"])
         elif method == "lm-infinite":
             att = LMInfiniteAttention(params["k"])
         elif method == "loki":
-            att = LokiAttention(self._bases(), params["d"], params["k"], params.get("l", 0))
+            att = LokiAttention(self._bases(), params["d"], params["k"], params.get("l", 0), params.get("sink", 0))
         elif method == "h2o":
             att = self._prompt.method.with_budget(params["k"], params["l"])  # the prompt's scores
         elif method == "alisa":

@@ -42,6 +42,7 @@ class EvalConfig:
     sparq_r: int | None = None
     loki_d: int | None = None
     sparq_local: float = 0.25         # SparQ's l as a share of k
+    sink: int = 0                      # SparQ's and Loki's first positions always kept
     mean_value: bool | None = None     # None: on for MHA, off for GQA (the paper's choice)
     loki_projection: str | None = None
     seed: int = 0
@@ -204,7 +205,8 @@ def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model, alisa_c=None):
 
 def _run_one(session, spec, target, sample, tok, D, cfg, mean_value, skipped):
     S = len(sample.prompt)
-    params = sweep.settings(spec.method, target, S, D, r=cfg.sparq_r, d=cfg.loki_d, local=cfg.sparq_local)
+    params = sweep.settings(spec.method, target, S, D, r=cfg.sparq_r, d=cfg.loki_d, local=cfg.sparq_local,
+                            sink=cfg.sink)
     if params is None:
         reason = f"{spec.label} cannot reach compression {target:g} at S={S} (D={D})"
         if not any(s.get("method") == spec.label and s.get("target") == target and s.get("task") == sample.task

@@ -26,6 +26,11 @@ def _check_int32(settings, names) -> None:
             raise SparqError(f"{name} must be in {INT32_MIN}..{INT32_MAX} (a C int32), got {value}")
 
 
+def _check_sink(settings) -> None:
+    if not 0 <= settings.sink <= settings.k - settings.local:
+        raise SparqError(f"sink must be in 0..k - l ({settings.k - settings.local}), got {settings.sink}")
+
+
 @dataclass(frozen=True)
 class Dense:
     """llama.cpp's own attention (flash attention)."""
@@ -46,7 +51,8 @@ class SparQ:
     attend to the top k (the l most recent always among them), mean-value reallocation.
 
     l=None means k // 4, as in the paper. The paper turns mean_value off for GQA models such as
-    Llama 3 and Mistral; here it is on unless you say otherwise.
+    Llama 3 and Mistral; here it is on unless you say otherwise. sink: positions below it (the first
+    tokens, where many models park attention whatever the query) are always among the k.
     """
 
     r: int = 16
@@ -55,11 +61,12 @@ class SparQ:
     mean_value: bool = True
     min_n_kv: int = 0
     sparse_prompt: bool = False
+    sink: int = 0
 
     name = "sparq"
 
     def __post_init__(self):
-        _check_int32(self, ("r", "k", "l", "min_n_kv"))
+        _check_int32(self, ("r", "k", "l", "min_n_kv", "sink"))
 
     @property
     def local(self) -> int:
@@ -72,6 +79,7 @@ class SparQ:
             raise SparqError(f"k must be >= 1, got {self.k}")
         if not 0 <= self.local <= self.k:
             raise SparqError(f"l must be in 0..k ({self.k}), got {self.local}")
+        _check_sink(self)
         if self.min_n_kv < 0:
             raise SparqError(f"min_n_kv must be >= 0, got {self.min_n_kv}")
 
@@ -84,7 +92,8 @@ class SparQ:
 class Loki:
     """Loki (Singhania et al., 2024): q and k rotated into the keys' principal basis (per layer and KV
     head, from `sparq-cpp calibrate`), positions ranked with the first d components, attend to the top k
-    (the l most recent always among them; l=0 by default, as in the paper). No mean value.
+    (the l most recent always among them; l=0 by default, as in the paper). No mean value. sink: positions
+    below it are always among the k (an attention sink: Loki's first components often rank it low).
 
     projection: the projection GGUF (None = the tensors embedded in the model by `calibrate --embed`);
     variant: the basis calibrated on keys "post" (default) or "pre" RoPE.
@@ -97,11 +106,12 @@ class Loki:
     variant: str = "post"
     min_n_kv: int = 0
     sparse_prompt: bool = False
+    sink: int = 0
 
     name = "loki"
 
     def __post_init__(self):
-        _check_int32(self, ("d", "k", "l", "min_n_kv"))
+        _check_int32(self, ("d", "k", "l", "min_n_kv", "sink"))
 
     @property
     def local(self) -> int:
@@ -114,6 +124,7 @@ class Loki:
             raise SparqError(f"k must be >= 1, got {self.k}")
         if not 0 <= self.l <= self.k:
             raise SparqError(f"l must be in 0..k ({self.k}), got {self.l}")
+        _check_sink(self)
         if self.variant not in ("pre", "post"):
             raise SparqError(f"variant must be 'pre' or 'post', got {self.variant!r}")
         if self.min_n_kv < 0:
@@ -182,10 +193,12 @@ def spec(attention: Attention) -> str:
     "dense", "sparq:r=16,k=128,...", "loki:d=32,...,proj=FILE", "alisa:c=0.125,..."."""
     if isinstance(attention, SparQ):
         local = "" if attention.l is None else f"l={attention.l},"  # left out: llama.cpp's default, k/4
+        local += f"sink={attention.sink}," if attention.sink else ""
         return (f"sparq:r={attention.r},k={attention.k},{local}mv={int(attention.mean_value)},"
                 f"min_n_kv={attention.min_n_kv},prompt={'sparse' if attention.sparse_prompt else 'dense'}")
     if isinstance(attention, Loki):
-        out = (f"loki:d={attention.d},k={attention.k},l={attention.l},min_n_kv={attention.min_n_kv},"
+        sink = f"sink={attention.sink}," if attention.sink else ""
+        out = (f"loki:d={attention.d},k={attention.k},l={attention.l},{sink}min_n_kv={attention.min_n_kv},"
                f"prompt={'sparse' if attention.sparse_prompt else 'dense'},variant={attention.variant}")
         return out + (f",proj={attention.projection}" if attention.projection is not None else "")
     if isinstance(attention, ALISA):
@@ -225,7 +238,7 @@ def parse_attention(text: str) -> Attention | Auto:
     """Settings from a string as llama.cpp reads it (the tools' --sparse-attn, LLAMA_SPARSE_ATTN):
     "sparq:r=8,k=32", "loki:d=32,k=128,proj=model.loki.gguf", "alisa:c=0.125", "dense"; keys left out keep
     their defaults. Parsed by llama.cpp itself (llama_sparse_attn_parse), so both read it the same way.
-    Keys: sparq r, k, l, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, min_n_kv, prompt, proj,
+    Keys: sparq r, k, l, sink, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, sink, min_n_kv, prompt, proj,
     variant (post|pre); alisa c, min_n_kv. No spaces, each key once. "auto:ratio=0.125[,proj=FILE]" is this
     package's own (sparq_cpp.auto resolves it when the model is opened)."""
     if not isinstance(text, str):
@@ -236,11 +249,11 @@ def parse_attention(text: str) -> Attention | Auto:
     prompt = bool(p.sparse_prompt)
     if p.mode == sparse_api.LLAMA_SPARSE_ATTN_SPARQ:
         return SparQ(r=p.r, k=p.k, l=None if p.l < 0 else p.l, mean_value=bool(p.mean_value), min_n_kv=p.min_n_kv,
-                     sparse_prompt=prompt)
+                     sparse_prompt=prompt, sink=p.sink)
     if p.mode == sparse_api.LLAMA_SPARSE_ATTN_LOKI:
         proj = p.loki_proj.decode() if p.loki_proj else None
         return Loki(d=p.d, k=p.k, l=p.l, projection=proj, variant="pre" if p.loki_pre_rope else "post",
-                    min_n_kv=p.min_n_kv, sparse_prompt=prompt)
+                    min_n_kv=p.min_n_kv, sparse_prompt=prompt, sink=p.sink)
     if p.mode == sparse_api.LLAMA_SPARSE_ATTN_ALISA:
         return ALISA(c=float(f"{p.c:.7g}"), min_n_kv=p.min_n_kv)  # c as written, not its float32 neighbour
     return Dense()

@@ -2,13 +2,17 @@
 
 `sparq-cpp calibrate` measures on the user's text the error of the attention output each candidate computes
 (and the attention mass it keeps), per full-attention layer (calib.budget: SparQ and Loki, each with the rank at 1/2, 1 and 3/2 of the transfer
-formula's split, at ratios 1/4, 1/8 and 1/16), and stores it in the calibration GGUF as loki.fidelity.* keys
-(`Fidelity` below). `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size
-to the method and rank whose mean output error over the layers is smallest among those measured at the largest ratio
-not above the target (the rank scaled by target / measured ratio), with k the largest whose reads fit the
-target at n_ctx positions (sparq_cpp.transfer.rank_split). One setting for the whole model: a context has one
-mode (the cache layout), and choosing the method per layer gained nothing where measured (docs/accuracy.md).
-A given calibration, target and n_ctx always give the same setting; its reads at n_ctx are within the target.
+formula's split, with and without the first position always kept, at ratios 1/4, 1/8 and 1/16), then runs the
+best of each method and sink per ratio end to end (calib.probe: bits per character lost against dense on text and
+on a repeated paragraph), and stores both in the calibration GGUF as loki.fidelity.* keys (`Fidelity` below).
+`Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size, among the candidates
+measured at the largest ratio not above the target, to the probed one that loses the fewest bits per character on
+text and retrieval together (without a probe: the least mean output error over the layers), its rank scaled by
+target / measured ratio, k the largest whose reads fit the target at n_ctx positions
+(sparq_cpp.transfer.rank_split), l the measured share of k, sink as measured. One setting for the whole model: a
+context has one mode (the cache layout), and choosing the method per layer gained nothing where measured
+(docs/accuracy.md). A given calibration, target and n_ctx always give the same setting; its reads at n_ctx are
+within the target.
 
 `known_poor` is the warning generate and serve print for a fixed setting the measurement says is the worse
 choice on this model.
@@ -27,15 +31,18 @@ from sparq_cpp.gguf_check import metadata_value
 from sparq_cpp.projection import default_projection, open_reader, read_projection
 
 # A fixed setting is called poor when the best measured candidate of the other method has this much less
-# output error (relative, ||y_sel - y|| / ||y||) at the same ratio.
+# output error (relative, ||y_sel - y|| / ||y||) at the same ratio, or, probed, loses this many fewer bits per
+# character on text and retrieval together.
 POOR_MARGIN = 0.05
+POOR_PROBE_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
 class Fidelity:
-    """calib.budget's measurement as stored: per candidate (method, ratio, rank, k and l at ctx positions),
+    """calib.budget's measurement as stored: per candidate (method, ratio, rank, k, l and sink at ctx positions),
     the relative error of its attention output and the attention mass it keeps, with the exact top-k's at its k,
-    per measured layer."""
+    per measured layer; and calib.probe's: for the probed candidates, the bits per character lost against dense
+    on text and on a retrieval (probe_dense: dense's own, text and retrieval)."""
 
     ctx: int
     windows: int
@@ -51,6 +58,38 @@ class Fidelity:
     error: np.ndarray
     exact_error: np.ndarray
     path: Path
+    sink: tuple[int, ...] = ()
+    probed: tuple[bool, ...] = ()
+    probe_text: tuple[float, ...] = ()
+    probe_copy: tuple[float, ...] = ()
+    probe_dense: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        n = len(self.method)
+        if not self.sink:
+            object.__setattr__(self, "sink", (0,) * n)
+        if not self.probed:
+            for name, value in (("probed", (False,) * n), ("probe_text", (0.0,) * n), ("probe_copy", (0.0,) * n)):
+                object.__setattr__(self, name, value)
+
+    @classmethod
+    def of(cls, fid: dict, path) -> "Fidelity":
+        """From calib.budget's measurement (with calib.probe's under "probe"), as it will be stored."""
+        c = fid["candidates"]
+        probe = fid.get("probe")
+        extra = {} if probe is None else {
+            "probed": tuple(bool(x) for x in probe["probed"]), "probe_text": tuple(probe["text"]),
+            "probe_copy": tuple(probe["copy"]), "probe_dense": (probe["dense_text"], probe["dense_copy"])}
+        return cls(ctx=fid["ctx"], windows=fid["windows"], held_out=bool(fid.get("held_out", False)),
+                   layers=tuple(fid["layers"]), method=tuple(x["method"] for x in c),
+                   ratio=tuple(float(x["ratio"]) for x in c), rank=tuple(x["rank"] for x in c),
+                   k=tuple(x["k"] for x in c), l=tuple(x["l"] for x in c), sink=tuple(x["sink"] for x in c),
+                   **{key: np.asarray(fid[key], np.float64) for key in ("mass", "exact_mass", "error", "exact_error")},
+                   path=Path(path), **extra)
+
+    def probe_loss(self, i: int) -> float:
+        """Bits per character lost against dense on text and retrieval together (probed candidates)."""
+        return self.probe_text[i] + self.probe_copy[i]
 
     def mean_mass(self, i: int) -> float:
         return float(self.mass[i].mean())
@@ -60,8 +99,17 @@ class Fidelity:
 
     def describe(self, i: int) -> str:
         name = "r" if self.method[i] == "sparq" else "d"
-        return (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]}: output error {self.mean_error(i):.3f} "
-                f"(exact top-k {float(self.exact_error[i].mean()):.3f}), keeps {self.mean_mass(i):.3f} of the attention")
+        out = (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]} sink={self.sink[i]}: output error "
+               f"{self.mean_error(i):.3f} (exact top-k {float(self.exact_error[i].mean()):.3f}), keeps "
+               f"{self.mean_mass(i):.3f} of the attention")
+        if self.probed[i]:
+            out += (f", loses {self.probe_text[i]:+.3f} bits per character on text and {self.probe_copy[i]:+.3f} on "
+                    "a retrieval")
+        return out
+
+    def score(self, i: int) -> float:
+        """What auto minimises: the probe's loss where probed, else the mean output error."""
+        return self.probe_loss(i) if self.probed[i] else self.mean_error(i)
 
 
 def read_fidelity(path) -> Fidelity | None:
@@ -74,6 +122,8 @@ def read_fidelity(path) -> Fidelity | None:
     keys = {key: metadata_value(r, f"loki.fidelity.{key}") for key in
             ("windows", "held_out", "layers", "method", "ratio", "rank", "k", "l", "mass", "exact_mass", "error",
              "exact_error")}
+    optional = {key: metadata_value(r, f"loki.fidelity.{key}") for key in
+                ("sink", "probed", "probe_text", "probe_copy", "probe_dense")}
     missing = [key for key, v in keys.items() if v is None]
     if missing:
         raise SparqError(f"{path}: loki.fidelity.{missing[0]} is missing; calibrate the model again")
@@ -88,11 +138,24 @@ def read_fidelity(path) -> Fidelity | None:
             raise SparqError(f"{path}: loki.fidelity.{key} must hold {n} x {L} finite values; calibrate the model again")
     if any(m not in ("sparq", "loki") for m in keys["method"]):
         raise SparqError(f"{path}: loki.fidelity.method holds an unknown method: {sorted(set(keys['method']))}")
+    extra = {}
+    if optional["sink"] is not None:
+        if len(optional["sink"]) != n or any(int(x) < 0 for x in optional["sink"]):
+            raise SparqError(f"{path}: loki.fidelity.sink must hold {n} values >= 0; calibrate the model again")
+        extra["sink"] = tuple(int(x) for x in optional["sink"])
+    if optional["probed"] is not None:
+        probe = [optional[key] for key in ("probed", "probe_text", "probe_copy", "probe_dense")]
+        if any(v is None for v in probe) or any(len(v) != n for v in probe[:3]) or len(probe[3]) != 2 \
+                or not all(np.isfinite(np.asarray(v, np.float64)).all() for v in probe[1:]):
+            raise SparqError(f"{path}: loki.fidelity.probe_* must hold {n} finite values each (probe_dense 2); "
+                             "calibrate the model again")
+        extra.update(probed=tuple(bool(x) for x in probe[0]), probe_text=tuple(float(x) for x in probe[1]),
+                     probe_copy=tuple(float(x) for x in probe[2]), probe_dense=tuple(float(x) for x in probe[3]))
     return Fidelity(ctx=int(ctx), windows=int(keys["windows"]), held_out=bool(keys["held_out"]),
                     layers=tuple(int(x) for x in keys["layers"]), method=tuple(keys["method"]),
                     ratio=tuple(float(x) for x in keys["ratio"]), rank=tuple(int(x) for x in keys["rank"]),
                     k=tuple(int(x) for x in keys["k"]), l=tuple(int(x) for x in keys["l"]),
-                    **{key: a.reshape(n, L) for key, a in arrays.items()}, path=path)
+                    **{key: a.reshape(n, L) for key, a in arrays.items()}, path=path, **extra)
 
 
 def _measured_ratio(fid: Fidelity, target: float) -> float:
@@ -104,13 +167,15 @@ def _measured_ratio(fid: Fidelity, target: float) -> float:
 
 
 def choose(fid: Fidelity, target: float, method: str | None = None) -> int:
-    """The index of the candidate with the smallest mean output error at the measured ratio for target (of `method`
-    only, if given); the first such candidate on a tie."""
+    """The index of the candidate at the measured ratio for target (of `method` only, if given) that the probe
+    measured losing the fewest bits per character on text and retrieval together, or, where none of them was
+    probed, with the smallest mean output error; the first such candidate on a tie."""
     base = _measured_ratio(fid, target)
     idx = [i for i in range(len(fid.method)) if fid.ratio[i] == base and method in (None, fid.method[i])]
     if not idx:
         raise SparqError(f"{fid.path}: no {method or 'sparse'} setting was measured at ratio {base:.4g}")
-    return min(idx, key=lambda i: (fid.mean_error(i), i))
+    probed = [i for i in idx if fid.probed[i]]
+    return min(probed or idx, key=lambda i: (fid.score(i), i))
 
 
 def calibration_for(model_path, projection=None) -> Path:
@@ -141,16 +206,17 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
                          f"{n_ctx} positions; raise the ratio or the context size")
     rank, k = got
     l = int(k * fid.l[i] / fid.k[i])  # the measured share of k
+    sink = min(fid.sink[i], k - l)
     if fid.method[i] == "sparq":
         # the paper's choice: mean-value reallocation off for GQA models
-        chosen = SparQ(r=rank, k=k, l=l, mean_value=summary.n_head == summary.n_head_kv)
+        chosen = SparQ(r=rank, k=k, l=l, mean_value=summary.n_head == summary.n_head_kv, sink=sink)
     else:
-        chosen = Loki(d=rank, k=k, l=l, projection=str(path))
+        chosen = Loki(d=rank, k=k, l=l, projection=str(path), sink=sink)
     rival = [j for j in range(len(fid.method)) if fid.ratio[j] == base and fid.method[j] != fid.method[i]]
-    other = f"; best {fid.method[rival[0]]}: {fid.mean_error(choose(fid, auto.ratio, fid.method[rival[0]])):.3f}" \
+    other = f"; best {fid.method[rival[0]]}: {fid.score(choose(fid, auto.ratio, fid.method[rival[0]])):.3f}" \
         if rival else ""
-    why = (f"auto:ratio={auto.ratio:g} -> {chosen.name} ({'r' if chosen.name == 'sparq' else 'd'}={rank}, k={k}, l={l} at "
-           f"n_ctx={n_ctx}): at {fid.ctx} positions {fid.describe(i)}{other} (calibration {path.name}, "
+    why = (f"auto:ratio={auto.ratio:g} -> {chosen.name} ({'r' if chosen.name == 'sparq' else 'd'}={rank}, k={k}, l={l}, "
+           f"sink={sink} at n_ctx={n_ctx}): at {fid.ctx} positions {fid.describe(i)}{other} (calibration {path.name}, "
            f"{fid.windows} windows{'' if fid.held_out else ', the calibration text itself'})")
     return chosen, why
 
@@ -175,7 +241,14 @@ def known_poor(attention, model_path, summary, projection=None) -> str | None:
     ratio = elements / transfer.dense_elements(n, D)
     mine = choose(fid, ratio, attention.name)
     best = choose(fid, ratio)
-    if fid.method[best] != attention.name and fid.mean_error(best) <= fid.mean_error(mine) - POOR_MARGIN:
+    if fid.method[best] == attention.name:
+        return None
+    if fid.probed[best] and fid.probed[mine]:
+        if fid.probe_loss(best) <= fid.probe_loss(mine) - POOR_PROBE_MARGIN:
+            return (f"at {ratio:.3g} of dense reads, this model's calibration ({path.name}) measured {fid.describe(best)}; "
+                    f"{attention.name} at best loses {fid.probe_text[mine]:+.3f} bits per character on text and "
+                    f"{fid.probe_copy[mine]:+.3f} on a retrieval: --attn auto --ratio {ratio:.3g} picks the former")
+    elif fid.mean_error(best) <= fid.mean_error(mine) - POOR_MARGIN:
         return (f"at {ratio:.3g} of dense reads, this model's calibration ({path.name}) measured {fid.describe(best)}, "
                 f"{attention.name} at best an output error of {fid.mean_error(mine):.3f}: --attn auto --ratio {ratio:.3g} "
                 "picks the former")

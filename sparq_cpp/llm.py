@@ -45,11 +45,11 @@ def c_params(attention, *, creation: bool = False):
     p = sparse_api.default_params()
     if isinstance(attention, SparQ):
         sparse_api.fill(p, mode=sparse_api.LLAMA_SPARSE_ATTN_SPARQ, r=attention.r, k=attention.k, l=attention.local,
-                        mean_value=attention.mean_value, min_n_kv=attention.min_n_kv,
+                        sink=attention.sink, mean_value=attention.mean_value, min_n_kv=attention.min_n_kv,
                         sparse_prompt=attention.sparse_prompt)
     elif isinstance(attention, Loki):
         sparse_api.fill(p, mode=sparse_api.LLAMA_SPARSE_ATTN_LOKI, d=attention.d, k=attention.k, l=attention.l,
-                        min_n_kv=attention.min_n_kv, sparse_prompt=attention.sparse_prompt,
+                        sink=attention.sink, min_n_kv=attention.min_n_kv, sparse_prompt=attention.sparse_prompt,
                         loki_pre_rope=attention.variant == "pre")
         if creation and attention.projection is not None:
             p.loki_proj = str(attention.projection).encode()

@@ -14,6 +14,7 @@ from sparq_cpp.attention import Auto, Dense, Loki, SparQ, parse_attention, spec 
 from sparq_cpp.auto import choose, known_poor, read_fidelity, resolve  # noqa: E402
 from sparq_cpp.calib import calibrate, write_projection  # noqa: E402
 from sparq_cpp.calib.budget import candidates, measure_budget, selection  # noqa: E402
+from sparq_cpp.calib.probe import pick  # noqa: E402
 from sparq_cpp.errors import SparqError  # noqa: E402
 from sparq_cpp.gguf_check import check_gguf  # noqa: E402
 from sparq_cpp.modelfactory import default_model_path  # noqa: E402
@@ -71,6 +72,49 @@ def test_selection_keeps_the_local_window_and_k_positions():
         rest = np.where(sel[i] & (np.arange(n) <= t - 4))[0]
         others = np.where(~sel[i] & (np.arange(n) <= t - 4))[0]
         assert scores[i, rest].min() > scores[i, others].max()
+
+
+def test_selection_keeps_the_sink_whatever_its_score():
+    rng = np.random.default_rng(1)
+    n, rows = 64, np.array([40, 63])
+    mask = np.arange(n)[None, :] <= rows[:, None]
+    scores = rng.standard_normal((2, n))
+    scores[:, 0] = -10.0  # the first position: the lowest score
+    without = selection(scores, mask, k=10, l=4, rows=rows)
+    with_sink = selection(scores, mask, k=10, l=4, rows=rows, sink=1)
+    assert not without[:, 0].any() and with_sink[:, 0].all()
+    assert (with_sink.sum(1) == 10).all() and (with_sink[:, 1:] <= without[:, 1:]).all()
+
+
+def test_candidates_with_and_without_the_sink():
+    cands = candidates((1 / 8,), 2048, 256)
+    for method in ("sparq", "loki"):
+        sinks = {c["sink"] for c in cands if c["method"] == method}
+        assert sinks == {0, 1}
+
+
+def test_probe_decides_where_there_is_one(calibration, measured):
+    """With a probe, auto picks the probed candidate that loses the fewest bits per character, even when another
+    has the least output error; the probe and the sink round-trip through the file."""
+    model, proj, fid = calibration
+    summary = check_gguf(model)
+    cands = fid["candidates"]
+    idx = pick(fid)
+    assert len(idx) == len({(c["ratio"], c["method"], c["sink"]) for c in cands})
+    want = next(i for i in idx if cands[i]["ratio"] == 1 / 8 and cands[i]["method"] == "loki" and cands[i]["sink"] == 1)
+    probe = {"probed": [int(i in idx) for i in range(len(cands))], "samples": 2, "dense_text": 1.1, "dense_copy": 0.05,
+             "text": [0.01 if i in idx else 0.0 for i in range(len(cands))],
+             "copy": [(0.002 if i == want else 1.5) if i in idx else 0.0 for i in range(len(cands))]}
+    rigged = dict(fid, probe=probe, error=[[0.9] * len(fid["layers"]) if i == want else row
+                                           for i, row in enumerate(fid["error"])])
+    write_projection(proj, measured[1], model, ctx_size=CTX, fidelity=rigged)
+    got = read_fidelity(proj)
+    assert got.sink == tuple(c["sink"] for c in cands) and got.probed == tuple(bool(x) for x in probe["probed"])
+    assert choose(got, 1 / 8) == want
+    setting, why = resolve(Auto(ratio=0.125), model, summary, 1024)
+    assert isinstance(setting, Loki) and setting.sink == 1 and "sink=1" in why and "on a retrieval" in why
+    warning = known_poor(SparQ(r=8, k=64), model, summary)
+    assert warning and "retrieval" in warning
 
 
 def test_fidelity_round_trips_and_is_bounded_by_exact(calibration):
@@ -186,4 +230,7 @@ def test_cli_calibrate_prints_the_fidelity_table(tmp_path):
                    "--fidelity-windows", "1")
     assert proc.returncode == 0, proc.stderr
     assert "attention output error and mass kept at 512 positions" in proc.stdout and " *" in proc.stdout
-    assert read_fidelity(tmp_path / "m.loki.gguf").windows == 1
+    fid = read_fidelity(tmp_path / "m.loki.gguf")
+    assert fid.windows == 1
+    # the end-to-end probe ran (or said why not)
+    assert any(fid.probed) or "no end-to-end probe" in proc.stderr, proc.stderr[-2000:]

@@ -15,6 +15,7 @@ from sparq_cpp.auto import resolve  # noqa: E402
 from sparq_cpp.calib import write_projection  # noqa: E402
 from sparq_cpp.calib.budget import candidates  # noqa: E402
 from sparq_cpp.calib.pca import LokiPCA  # noqa: E402
+from sparq_cpp.calib.probe import pick  # noqa: E402
 from sparq_cpp.gguf_check import check_gguf  # noqa: E402
 from sparq_cpp.modelfactory import default_model_path  # noqa: E402
 from sparq_cpp.pyext.build import tool_path  # noqa: E402
@@ -35,7 +36,8 @@ def _identity_pca(summary) -> LokiPCA:
 
 def _fidelity(summary, rig: str, seed: int = 0) -> dict:
     """A measurement over the real candidate list: random output errors, or rigged so that SparQ or Loki wins, or so
-    that two candidates tie for the best (the first must be chosen)."""
+    that two candidates tie for the best (the first must be chosen); "probe": with an end-to-end probe of the best of
+    each method and sink per ratio (random losses), where it is not the least output error that wins."""
     cands = candidates((1 / 4, 1 / 8, 1 / 16), CTX, summary.head_dim)
     L = summary.n_layer
     rng = np.random.default_rng(seed)
@@ -47,9 +49,16 @@ def _fidelity(summary, rig: str, seed: int = 0) -> dict:
             idx = [i for i, c in enumerate(cands) if c["ratio"] == t]
             error[idx[-1]] = error[idx[1]] = 0.01  # a later Loki and an earlier SparQ candidate
     mass = rng.uniform(0.3, 0.8, (len(cands), L))
-    return {"ctx": CTX, "windows": 2, "held_out": rig != "tie", "layers": list(range(L)), "candidates": cands,
-            "mass": mass.tolist(), "exact_mass": np.minimum(mass + 0.05, 1.0).tolist(),
-            "error": error.tolist(), "exact_error": (error * 0.5).tolist()}
+    fid = {"ctx": CTX, "windows": 2, "held_out": rig != "tie", "layers": list(range(L)), "candidates": cands,
+           "mass": mass.tolist(), "exact_mass": np.minimum(mass + 0.05, 1.0).tolist(),
+           "error": error.tolist(), "exact_error": (error * 0.5).tolist()}
+    if rig == "probe":
+        idx = pick(fid)
+        text, copy = rng.uniform(-0.01, 0.1, len(cands)), rng.uniform(0.0, 2.0, len(cands))
+        fid["probe"] = {"probed": [int(i in idx) for i in range(len(cands))], "samples": 2, "dense_text": 1.2,
+                        "dense_copy": 0.05, "text": [float(x) if i in idx else 0.0 for i, x in enumerate(text)],
+                        "copy": [float(x) if i in idx else 0.0 for i, x in enumerate(copy)]}
+    return fid
 
 
 def _calibrated(tmp_path, preset, rig="random"):
@@ -71,14 +80,17 @@ def _completion(model, spec, *extra):
 def _context_line(setting) -> str:
     """How llama_context logs the setting it was created with (every field Python's setting has)."""
     if setting.name == "sparq":
-        return (f"sparse_attn           = sparq (r = {setting.r}, k = {setting.k}, l = {setting.l}, mean_value = "
-                f"{int(setting.mean_value)}, min_n_kv = {setting.min_n_kv}, sparse_prompt = {int(setting.sparse_prompt)})")
-    return (f"sparse_attn           = loki (d = {setting.d}, k = {setting.k}, l = {setting.l}, min_n_kv = {setting.min_n_kv}, "
-            f"sparse_prompt = {int(setting.sparse_prompt)}, basis = {setting.projection}, {setting.variant} RoPE)")
+        return (f"sparse_attn           = sparq (r = {setting.r}, k = {setting.k}, l = {setting.l}, sink = {setting.sink}, "
+                f"mean_value = {int(setting.mean_value)}, min_n_kv = {setting.min_n_kv}, sparse_prompt = "
+                f"{int(setting.sparse_prompt)})")
+    return (f"sparse_attn           = loki (d = {setting.d}, k = {setting.k}, l = {setting.l}, sink = {setting.sink}, "
+            f"min_n_kv = {setting.min_n_kv}, sparse_prompt = {int(setting.sparse_prompt)}, basis = {setting.projection}, "
+            f"{setting.variant} RoPE)")
 
 
 @pytest.mark.parametrize("preset, rig", [("tiny", "random"), ("tiny-gqa", "random"), ("tiny", "sparq"),
-                                         ("tiny", "loki"), ("tiny-gqa", "tie")])
+                                         ("tiny", "loki"), ("tiny-gqa", "tie"), ("tiny", "probe"),
+                                         ("tiny-gqa", "probe")])
 def test_completion_resolves_auto_as_python_does(tmp_path, preset, rig):
     model, summary = _calibrated(tmp_path, preset, rig)
     cases = [("auto:ratio=1/8", 0.125, 1024, 1), ("auto:ratio=0.1", 0.1, 2048, 1), ("auto", 0.125, 512, 1),

@@ -26,14 +26,27 @@ def random_basis(rng, n_head_kv, D):
     return np.stack([np.linalg.qr(rng.standard_normal((D, D)))[0] for _ in range(n_head_kv)])[None]
 
 
-def run_both(q, k, v, mask, pos, d, top_k, l, kv_type="f16", n_threads=2, scale=None):
+def run_both(q, k, v, mask, pos, d, top_k, l, kv_type="f16", n_threads=2, scale=None, sink=0):
     """Op and reference on q, k already in the basis."""
     D = q.shape[-1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     y, kv, vv = go.loki_attn(q, k, v, mask, pos, scale, d, top_k, l, kv_type=kv_type, n_threads=n_threads,
-                             return_values=True)
-    ref = LokiAttention(identity(D, k.shape[1]), d, top_k, l)(q, kv, vv, mask, pos, scale)
+                             return_values=True, n_sink=sink)
+    ref = LokiAttention(identity(D, k.shape[1]), d, top_k, l, sink=sink)(q, kv, vv, mask, pos, scale)
     return y, ref
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("sink,l,n_seq,n_q", [(1, 0, 1, 1), (4, 16, 3, 3), (64, 0, 1, 2), (48, 16, 2, 1)])
+@pytest.mark.parametrize("kind", ["random", "planted"])
+def test_sink_matches_reference(kind, sink, l, n_seq, n_q, kv_type):
+    rng = np.random.default_rng(sink * 10 + n_seq + (kind == "planted") + 3)
+    n_head_kv, g, D, n_kv = 2, 4, 64, 1500
+    q, k, v = make_qkv(rng, n_q, n_head_kv * g, n_head_kv, D, n_kv, kind)
+    seq, pos = make_cache(rng, n_kv, n_seq=n_seq, shuffle=True)
+    mask = make_mask(rng, seq, pos, n_q, n_seq=n_seq)
+    y, ref = run_both(q, k, v, mask, pos, 32, 64, l, kv_type=kv_type, sink=sink)
+    assert_close(y, ref, OP_TOL[kv_type])
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])

@@ -19,6 +19,8 @@ from sparq_cpp.attention import parse_attention
     ("sparq:r=8,k=32,l=4,mv=0,min_n_kv=256,prompt=sparse",
      SparQ(r=8, k=32, l=4, mean_value=False, min_n_kv=256, sparse_prompt=True)),
     ("loki:d=16,k=64,proj=m.loki.gguf,variant=pre", Loki(d=16, k=64, projection="m.loki.gguf", variant="pre")),
+    ("sparq:r=8,k=32,sink=1", SparQ(r=8, k=32, sink=1)),
+    ("loki:d=32,k=128,sink=4", Loki(d=32, k=128, sink=4)),
     ("alisa:c=0.25", ALISA(c=0.25)),
 ])
 def test_attention_spec_strings(spec, want):
@@ -36,6 +38,8 @@ def test_attention_spec_strings(spec, want):
     ("loki:prompt=all", "invalid value 'all' for key 'prompt' (expected 'dense' or 'sparse')"),
     ("alisa:c=0", "c must be"),
     ("alisa:k=4", "key 'k' is not for alisa (expected c or min_n_kv)"),
+    ("alisa:sink=1", "key 'sink' is not for alisa (expected c or min_n_kv)"),
+    ("sparq:sink=x", "invalid value 'x' for key 'sink' (expected an integer)"),
     ("dense:k=4", "mode 'dense' takes no parameters"),
 ])
 def test_bad_attention_specs_are_refused(spec, message):
@@ -46,12 +50,20 @@ def test_bad_attention_specs_are_refused(spec, message):
 
 
 @pytest.mark.parametrize("attention", [Dense(), SparQ(r=8, k=32), SparQ(l=0, mean_value=False, sparse_prompt=True),
-                                       Loki(d=16, k=64, projection="m.loki.gguf", variant="pre"), ALISA(c=0.2)])
+                                       Loki(d=16, k=64, projection="m.loki.gguf", variant="pre"), ALISA(c=0.2),
+                                       SparQ(r=8, k=32, l=8, sink=24), Loki(d=8, k=16, sink=1)])
 def test_each_mode_renders_the_string_llama_cpp_reads_back(attention):
     from sparq_cpp.attention import spec
 
     pytest.importorskip("llama_cpp")
     assert parse_attention(spec(attention)) == attention
+
+
+@pytest.mark.parametrize("attention", [SparQ(k=32, sink=25), SparQ(k=32, l=0, sink=33), Loki(k=16, l=8, sink=9),
+                                       SparQ(sink=-1)])
+def test_a_sink_beyond_k_minus_l_is_refused(attention):
+    with pytest.raises(SparqError, match=r"sink must be in 0\.\.k - l"):
+        attention.check(64)
 
 
 def test_sparq_error_is_a_value_error():

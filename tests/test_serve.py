@@ -36,9 +36,9 @@ PROMPTS = ["Once upon a time", "It is a truth universally", "The weather today",
 
 def test_props_and_log_report_the_settings(sparq_server):
     sa = sparq_server.get("/props")["sparse_attn"]
-    assert sa == {"mode": "sparq", "r": 8, "k": 8, "l": 2, "mean_value": True, "min_n_kv": 0,
+    assert sa == {"mode": "sparq", "r": 8, "k": 8, "l": 2, "sink": 0, "mean_value": True, "min_n_kv": 0,
                   "sparse_prompt": False}
-    assert 'sparse attention: {"k":8,"l":2' in sparq_server.text()
+    assert 'sparse attention: {"k":8,"l":2,"sink":0,"min_n_kv":0' in sparq_server.text()
 
 
 def _client(server):

@@ -185,6 +185,15 @@ def test_stock_tool_runs_sparq_from_env(models, tmp_path):
         assert f"sparse_attn           = {want}" in proc.stderr, (extra, proc.stderr[-3000:])
     assert_refused([exe, "-m", models["tiny"], "-p", "x", "-n", "2", "-fa", "on", "-no-cnv", "--sparse-attn", "sparq:k=x"],
                    base, "invalid value 'x' for key 'k'")
+    # the first positions kept: logged, and refused beyond k - l by llama.cpp's own check
+    proc = subprocess.run([str(exe), "-m", str(models["tiny"]), "-p", "hello world", "-n", "4", "-fa", "on", "-no-cnv",
+                           "-c", "256", "-t", "1", "--temp", "0", "-v", "--sparse-attn", "sparq:r=8,k=16,l=4,sink=2"],
+                          capture_output=True, text=True, errors="replace", env=base, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sparse_attn           = sparq (r = 8, k = 16, l = 4, sink = 2," in proc.stderr
+    assert_refused([exe, "-m", models["tiny"], "-p", "x", "-n", "2", "-fa", "on", "-no-cnv", "--sparse-attn",
+                    "sparq:r=8,k=16,l=4,sink=13"], base, "sink in 0..k - l")
 
 
 def test_stock_tool_runs_sparq_on_a_sliding_window_model(tmp_path):

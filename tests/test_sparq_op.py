@@ -21,13 +21,45 @@ from conftest import OP_TOL, assert_close, make_cache, make_mask, make_qkv  # no
 
 
 def run_both(q, k, v, mask, pos, r, top_k, l, mean_value=True, kv_type="f16", kt_type=None, kt_pad=3, n_threads=2,
-             scale=None):
+             scale=None, sink=0):
     D = q.shape[-1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     y, kv, vv = go.sparq_attn(q, k, v, mask, pos, scale, r, top_k, l, mean_value, kv_type=kv_type, kt_type=kt_type,
-                              kt_pad=kt_pad, n_threads=n_threads, return_values=True)
-    ref = SparQAttention(r, top_k, l, mean_value)(q, kv, vv, mask, pos, scale)
+                              kt_pad=kt_pad, n_threads=n_threads, return_values=True, n_sink=sink)
+    ref = SparQAttention(r, top_k, l, mean_value, sink=sink)(q, kv, vv, mask, pos, scale)
     return y, ref
+
+
+# the first positions always kept (the attention sink): one, several sequences (each has its own first positions),
+# no local window, all of the budget the local window leaves; one query row (kv heads per thread) and several
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("sink,l,n_seq,n_q", [(1, 16, 1, 1), (4, 16, 3, 3), (64, 0, 1, 2), (48, 16, 2, 1)])
+@pytest.mark.parametrize("kind", ["random", "planted"])
+def test_sink_matches_reference(kind, sink, l, n_seq, n_q, kv_type):
+    rng = np.random.default_rng(sink * 10 + n_seq + (kind == "planted"))
+    n_head_kv, g, D, n_kv = 2, 4, 64, 1500
+    q, k, v = make_qkv(rng, n_q, n_head_kv * g, n_head_kv, D, n_kv, kind)
+    seq, pos = make_cache(rng, n_kv, n_seq=n_seq, shuffle=True)
+    mask = make_mask(rng, seq, pos, n_q, n_seq=n_seq)
+    kt_type = "f32" if kv_type == "q8_0" else None
+    y, ref = run_both(q, k, v, mask, pos, 16, 64, l, kv_type=kv_type, kt_type=kt_type, sink=sink)
+    assert_close(y, ref, OP_TOL[kv_type])
+
+
+def test_sink_keeps_a_low_scored_first_position():
+    """A first position whose key points away from the query is dropped without the sink, kept with it."""
+    rng = np.random.default_rng(5)
+    D, n_kv = 64, 600
+    q, k, v = make_qkv(rng, 1, 4, 1, D, n_kv, "random")
+    pos = np.arange(n_kv, dtype=np.int32)
+    k[0] = -8.0 * q[0, 0] / np.linalg.norm(q[0, 0])  # position 0: the lowest score of every head
+    v[0] = 50.0  # and a value that shows in the output when it is attended
+    mask = np.ones((1, n_kv), dtype=bool)
+    y0, ref0 = run_both(q, k, v, mask, pos, 64, 32, 8, mean_value=False)
+    y1, ref1 = run_both(q, k, v, mask, pos, 64, 32, 8, mean_value=False, sink=1)
+    assert_close(y0, ref0, OP_TOL["f16"])
+    assert_close(y1, ref1, OP_TOL["f16"])
+    assert np.abs(y1 - y0).max() > 1e-3 * np.abs(y0).max()
 
 
 # against the reference

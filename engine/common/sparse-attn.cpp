@@ -111,8 +111,13 @@ struct sa_fidelity {
 
     std::vector<std::string> method;
     std::vector<double>      ratio;
-    std::vector<int64_t>     rank, k, l;
+    std::vector<int64_t>     rank, k, l, sink;
     std::vector<double>      mass, exact_mass, error, exact_error;
+
+    // the end-to-end probe (optional): per candidate, whether probed and the bits per character lost on text and
+    // on a retrieval
+    std::vector<int64_t> probed;
+    std::vector<double>  probe_text, probe_copy;
 };
 
 static bool sa_get_int(const gguf_context * ctx, int64_t id, size_t i, int64_t & out) {
@@ -260,6 +265,31 @@ static bool sa_read_fidelity(const std::string & path, sa_fidelity & fid, std::s
             return bad("k", "must hold positive values");
         }
     }
+
+    // optional: calibrations without them keep no first position and have no probe
+    if (gguf_find_key(g, "loki.fidelity.sink") >= 0) {
+        if (!ints("sink", fid.sink)) {
+            return false;
+        }
+        for (size_t i = 0; i < n; ++i) {
+            if (fid.sink[i] < 0) {
+                return bad("sink", "must hold values >= 0");
+            }
+        }
+    } else {
+        fid.sink.assign(n, 0);
+    }
+    if (gguf_find_key(g, "loki.fidelity.probed") >= 0) {
+        std::vector<double> dense;
+        if (!ints("probed", fid.probed) || !floats("probe_text", n, true, fid.probe_text) ||
+            !floats("probe_copy", n, true, fid.probe_copy) || !floats("probe_dense", 2, true, dense)) {
+            return false;
+        }
+    } else {
+        fid.probed.assign(n, 0);
+        fid.probe_text.assign(n, 0.0);
+        fid.probe_copy.assign(n, 0.0);
+    }
     return true;
 }
 
@@ -312,20 +342,30 @@ static double sa_measured_ratio(const sa_fidelity & fid, double target) {
     return below >= 0.0 ? below : least;
 }
 
-// the candidate with the smallest mean output error at the measured ratio for target (of method only, if not
-// empty); the first on a tie; -1 if none
+// what auto minimises: the bits per character a probed candidate loses on text and retrieval together, else the
+// mean output error
+static double sa_score(const sa_fidelity & fid, size_t i) {
+    return fid.probed[i] ? fid.probe_text[i] + fid.probe_copy[i] : sa_mean(fid.error, i, fid.n_layer);
+}
+
+// the candidate at the measured ratio for target (of method only, if not empty) of least sa_score among the probed
+// ones, or among all when none was probed; the first on a tie; -1 if none
 static int sa_choose(const sa_fidelity & fid, double target, const std::string & method = "") {
     const double base = sa_measured_ratio(fid, target);
-    int best = -1;
-    double best_error = 0.0;
+    bool any_probed = false;
     for (size_t i = 0; i < fid.method.size(); ++i) {
-        if (fid.ratio[i] != base || (!method.empty() && fid.method[i] != method)) {
+        any_probed |= fid.ratio[i] == base && (method.empty() || fid.method[i] == method) && fid.probed[i];
+    }
+    int best = -1;
+    double best_score = 0.0;
+    for (size_t i = 0; i < fid.method.size(); ++i) {
+        if (fid.ratio[i] != base || (!method.empty() && fid.method[i] != method) || (any_probed && !fid.probed[i])) {
             continue;
         }
-        const double e = sa_mean(fid.error, i, fid.n_layer);
-        if (best < 0 || e < best_error) {
+        const double e = sa_score(fid, i);
+        if (best < 0 || e < best_score) {
             best       = (int) i;
-            best_error = e;
+            best_score = e;
         }
     }
     return best;
@@ -442,7 +482,8 @@ bool common_sparse_attn_auto_resolve(
         return false;
     }
     // the measured share of k
-    const int64_t l = (int64_t) ((double) (k * fid.l[i]) / (double) fid.k[i]);
+    const int64_t l    = (int64_t) ((double) (k * fid.l[i]) / (double) fid.k[i]);
+    const int64_t sink = std::min<int64_t>(fid.sink[i], k - l);
 
     out = llama_sparse_attn_default_params();
     proj.clear();
@@ -457,26 +498,32 @@ bool common_sparse_attn_auto_resolve(
         out.loki_pre_rope = false;
         proj              = path;
     }
-    out.k = (int32_t) k;
-    out.l = (int32_t) l;
+    out.k    = (int32_t) k;
+    out.l    = (int32_t) l;
+    out.sink = (int32_t) sink;
 
     auto describe = [&](int j) {
-        return string_format("%s %s=%lld k=%lld l=%lld: output error %.3f (exact top-k %.3f), keeps %.3f of the attention",
-                fid.method[j].c_str(), fid.method[j] == "sparq" ? "r" : "d", (long long) fid.rank[j],
-                (long long) fid.k[j], (long long) fid.l[j], sa_mean(fid.error, j, fid.n_layer),
-                sa_mean(fid.exact_error, j, fid.n_layer), sa_mean(fid.mass, j, fid.n_layer));
+        std::string res = string_format("%s %s=%lld k=%lld l=%lld sink=%lld: output error %.3f (exact top-k %.3f), "
+                "keeps %.3f of the attention", fid.method[j].c_str(), fid.method[j] == "sparq" ? "r" : "d",
+                (long long) fid.rank[j], (long long) fid.k[j], (long long) fid.l[j], (long long) fid.sink[j],
+                sa_mean(fid.error, j, fid.n_layer), sa_mean(fid.exact_error, j, fid.n_layer), sa_mean(fid.mass, j, fid.n_layer));
+        if (fid.probed[j]) {
+            res += string_format(", loses %+.3f bits per character on text and %+.3f on a retrieval", fid.probe_text[j],
+                    fid.probe_copy[j]);
+        }
+        return res;
     };
     std::string other;
     for (size_t j = 0; j < fid.method.size(); ++j) {
         if (fid.ratio[j] == base && fid.method[j] != fid.method[i]) {
             const int b = sa_choose(fid, req.ratio, fid.method[j]);
-            other = string_format("; best %s: %.3f", fid.method[j].c_str(), sa_mean(fid.error, b, fid.n_layer));
+            other = string_format("; best %s: %.3f", fid.method[j].c_str(), sa_score(fid, b));
             break;
         }
     }
-    why = string_format("auto:ratio=%g -> %s (%s=%lld, k=%lld, l=%lld at n_ctx=%d): at %u positions ",
-            req.ratio, fid.method[i].c_str(), sparq ? "r" : "d", (long long) rank, (long long) k, (long long) l, n_ctx,
-            fid.ctx);
+    why = string_format("auto:ratio=%g -> %s (%s=%lld, k=%lld, l=%lld, sink=%lld at n_ctx=%d): at %u positions ",
+            req.ratio, fid.method[i].c_str(), sparq ? "r" : "d", (long long) rank, (long long) k, (long long) l,
+            (long long) sink, n_ctx, fid.ctx);
     why += describe(i) + other;
     why += string_format(" (calibration %s, %u windows%s)", std::filesystem::path(path).filename().string().c_str(),
             fid.windows, fid.held_out ? "" : ", the calibration text itself");

@@ -386,6 +386,9 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         cur = ggml_sparq_attn(ctx0, q, k, kt, v, kq_mask, kv_pos, vmean, kq_scale, sa.r, sa.k, n_local, sa.mean_value);
         cb(cur, "sparq_attn", il);
     }
+    if (sa.sink > 0) {
+        ggml_sparse_attn_set_sink(cur, sa.sink);
+    }
 
     // [n_embd_head_v, n_head, n_tokens/n_stream, n_stream] -> [n_embd_head_v*n_head, n_tokens]
     cur = ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);

@@ -21,6 +21,7 @@ llama_sparse_attn_params llama_sparse_attn_default_params() {
         /*.r             =*/ 16,
         /*.k             =*/ 128,
         /*.l             =*/ -1,
+        /*.sink          =*/ 0,
         /*.mean_value    =*/ true,
         /*.min_n_kv      =*/ 0,
         /*.sparse_prompt =*/ false,
@@ -184,7 +185,7 @@ static bool llama_sparse_attn_parse_impl(const char * str, llama_sparse_attn_par
 
         bool ok;
         if (alisa && key != "c" && key != "min_n_kv") {
-            err = key == "r" || key == "k" || key == "l" || key == "mv" || key == "d" || key == "proj" || key == "variant" || key == "prompt"
+            err = key == "r" || key == "k" || key == "l" || key == "sink" || key == "mv" || key == "d" || key == "proj" || key == "variant" || key == "prompt"
                 ? "key '" + key + "' is not for alisa (expected c or min_n_kv)"
                 : "unknown key " + llama_sparse_attn_quote(key) + " (expected c or min_n_kv)";
             ok = false;
@@ -219,6 +220,8 @@ static bool llama_sparse_attn_parse_impl(const char * str, llama_sparse_attn_par
             ok = parse_i32(key, val, out.k);
         } else if (key == "l") {
             ok = parse_i32(key, val, out.l);
+        } else if (key == "sink") {
+            ok = parse_i32(key, val, out.sink);
         } else if (key == "mv") {
             ok = parse_bool(key, val, out.mean_value);
         } else if (key == "min_n_kv") {
@@ -235,8 +238,8 @@ static bool llama_sparse_attn_parse_impl(const char * str, llama_sparse_attn_par
                 ok = false;
             }
         } else {
-            err = loki ? "unknown key " + llama_sparse_attn_quote(key) + " (expected d, k, l, min_n_kv, prompt, proj or variant)"
-                       : "unknown key " + llama_sparse_attn_quote(key) + " (expected r, k, l, mv, min_n_kv or prompt)";
+            err = loki ? "unknown key " + llama_sparse_attn_quote(key) + " (expected d, k, l, sink, min_n_kv, prompt, proj or variant)"
+                       : "unknown key " + llama_sparse_attn_quote(key) + " (expected r, k, l, sink, mv, min_n_kv or prompt)";
             ok = false;
         }
 
@@ -332,7 +335,7 @@ const char * llama_sparse_attn_strerror(int32_t code) {
         case LLAMA_SPARSE_ATTN_ERR_MODE:       return "mode must be LLAMA_SPARSE_ATTN_DENSE, LLAMA_SPARSE_ATTN_SPARQ, LLAMA_SPARSE_ATTN_LOKI or LLAMA_SPARSE_ATTN_ALISA";
         case LLAMA_SPARSE_ATTN_ERR_R:          return "r must be in 1..head_dim";
         case LLAMA_SPARSE_ATTN_ERR_K:          return "k must be >= 1";
-        case LLAMA_SPARSE_ATTN_ERR_L:          return "l must be in 0..k (or -1 for k/4)";
+        case LLAMA_SPARSE_ATTN_ERR_L:          return "l must be in 0..k (or -1 for k/4), and sink in 0..k - l";
         case LLAMA_SPARSE_ATTN_ERR_MIN_N_KV:   return "min_n_kv must be >= 0";
         case LLAMA_SPARSE_ATTN_ERR_NO_SUPPORT: return "the context was created without support for this mode (SparQ: no transposed K cache; Loki: keys not in a Loki basis; ALISA: no window of past weights)";
         case LLAMA_SPARSE_ATTN_ERR_FLASH_ATTN: return "SparQ attention requires flash attention (flash_attn must be on)";

@@ -180,6 +180,15 @@ class _Lib:
         return self._loki
 
     @property
+    def ggml_sparse_attn_set_sink(self):
+        if not hasattr(self.base, "ggml_sparse_attn_set_sink"):
+            raise SparqError(f"ggml_sparse_attn_set_sink is missing from {self.dir / 'libggml-base.so'}: "
+                             "this build predates the attention sink, build the patched one again")
+        f = self.base.ggml_sparse_attn_set_sink
+        f.restype, f.argtypes = None, [T_P, ctypes.c_int32]
+        return f
+
+    @property
     def ggml_alisa_attn(self):
         if self._alisa is None:
             if not hasattr(self.base, "ggml_alisa_attn"):
@@ -321,11 +330,17 @@ class Graph:
         self._writes.append(node)
         return node
 
-    def sparq_attn(self, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value):
-        return self.lib.ggml_sparq_attn(self.ctx, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value)
+    def sparq_attn(self, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value, n_sink=0):
+        out = self.lib.ggml_sparq_attn(self.ctx, q, k, kt, v, mask, pos, vmean, scale, r, top_k, n_local, mean_value)
+        if n_sink:
+            self.lib.ggml_sparse_attn_set_sink(out, n_sink)
+        return out
 
-    def loki_attn(self, q, k, v, mask, pos, scale, d, top_k, n_local):
-        return self.lib.ggml_loki_attn(self.ctx, q, k, v, mask, pos, scale, d, top_k, n_local)
+    def loki_attn(self, q, k, v, mask, pos, scale, d, top_k, n_local, n_sink=0):
+        out = self.lib.ggml_loki_attn(self.ctx, q, k, v, mask, pos, scale, d, top_k, n_local)
+        if n_sink:
+            self.lib.ggml_sparse_attn_set_sink(out, n_sink)
+        return out
 
     def alisa_attn(self, q, k, v, mask, pos, sums, scale, c):
         return self.lib.ggml_alisa_attn(self.ctx, q, k, v, mask, pos, sums, scale, c)
@@ -432,9 +447,9 @@ def q_tensor(g: Graph, q: np.ndarray):
 
 
 def sparq_attn(q, k, v, mask, kv_pos, kq_scale, r, top_k, n_local, mean_value=True, *, kv_type="f16",
-               kt_type=None, vmean=None, kt_pad=0, n_threads=2, directory=None, return_values=False):
+               kt_type=None, vmean=None, kt_pad=0, n_threads=2, directory=None, return_values=False, n_sink=0):
     """Run ggml_sparq_attn once. Returns y [n_q, n_head, D] (and with return_values, the decoded
-    k, v values the op saw). vmean: optional float32 [n_q, n_head_kv, D]."""
+    k, v values the op saw). vmean: optional float32 [n_q, n_head_kv, D]. n_sink: positions below it are kept."""
     with Graph(directory=directory) as g:
         cache = KVCache(g, k, v, kv_type, kt_type, kt_pad)
         qt = q_tensor(g, q)
@@ -443,7 +458,7 @@ def sparq_attn(q, k, v, mask, kv_pos, kq_scale, r, top_k, n_local, mean_value=Tr
         vt = None
         if vmean is not None:
             vt = g.tensor(np.ascontiguousarray(vmean, dtype=np.float32), "f32")  # ne [D, n_head_kv, n_q]
-        out = g.sparq_attn(qt, cache.k, cache.kt, cache.v, mt, pt, vt, kq_scale, r, top_k, n_local, mean_value)
+        out = g.sparq_attn(qt, cache.k, cache.kt, cache.v, mt, pt, vt, kq_scale, r, top_k, n_local, mean_value, n_sink)
         y = g.output(out, q.shape)  # ne [D, n_head, n_q] -> numpy [n_q, n_head, D]
         g.compute(n_threads)
         y = y.copy()
@@ -453,15 +468,15 @@ def sparq_attn(q, k, v, mask, kv_pos, kq_scale, r, top_k, n_local, mean_value=Tr
 
 
 def loki_attn(q, k, v, mask, kv_pos, kq_scale, d, top_k, n_local=0, *, kv_type="f16", n_threads=2, directory=None,
-              return_values=False):
+              return_values=False, n_sink=0):
     """Run ggml_loki_attn once on q and k already in the Loki basis. Returns y [n_q, n_head, D] (and with
-    return_values, the decoded k, v values the op saw)."""
+    return_values, the decoded k, v values the op saw). n_sink: positions below it are kept."""
     with Graph(directory=directory) as g:
         cache = KVCache(g, k, v, kv_type, need_kt=False)
         qt = q_tensor(g, q)
         mt = mask_tensor(g, mask)
         pt = g.tensor(np.ascontiguousarray(kv_pos, dtype=np.int32), "i32")
-        out = g.loki_attn(qt, cache.k, cache.v, mt, pt, kq_scale, d, top_k, n_local)
+        out = g.loki_attn(qt, cache.k, cache.v, mt, pt, kq_scale, d, top_k, n_local, n_sink)
         y = g.output(out, q.shape)
         g.compute(n_threads)
         y = y.copy()

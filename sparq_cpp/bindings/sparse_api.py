@@ -28,6 +28,7 @@ class OwnParams(ctypes.Structure):
         ("r", ctypes.c_int32),
         ("k", ctypes.c_int32),
         ("l", ctypes.c_int32),
+        ("sink", ctypes.c_int32),
         ("mean_value", ctypes.c_bool),
         ("min_n_kv", ctypes.c_int32),
         ("sparse_prompt", ctypes.c_bool),

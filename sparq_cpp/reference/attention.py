@@ -63,7 +63,8 @@ def check_int(name, value, lo, hi=None):
 
 class SparQAttention:
     """SPEC "SparQ": group-shared top-r components, approximate scores, top-k positions with the
-    l most recent forced in, exact attention over them, optional mean-value reallocation.
+    l most recent and the positions below ``sink`` forced in, exact attention over them, optional
+    mean-value reallocation.
 
     ``last_selection`` holds the cells chosen on the last call: int32 [n_q, n_head_kv, min(k, n_kv)],
     ascending per row, padded with -1 (for comparing selections with the C/CUDA ops).
@@ -71,10 +72,11 @@ class SparQAttention:
 
     name = "sparq"
 
-    def __init__(self, r, k, l=None, mean_value=True):
+    def __init__(self, r, k, l=None, mean_value=True, sink=0):
         self.r = check_int("r", r, 1)
         self.k = check_int("k", k, 1)
         self.l = self.k // 4 if l is None else check_int("l", l, 0, self.k)
+        self.sink = check_int("sink", sink, 0, self.k - self.l)
         self.mean_value = bool(mean_value)
         self.last_selection = None
 
@@ -88,13 +90,14 @@ class SparQAttention:
         r = self._r_for(q.shape[2])
         out = np.empty(q.shape, dtype=np.float32)
         sel = np.empty((q.shape[0], k.shape[1], min(self.k, k.shape[0])), dtype=np.int32)
-        kernels.sparq_kernel(q, k, v, mask, kv_pos, float(kq_scale), r, self.k, self.l,
+        kernels.sparq_kernel(q, k, v, mask, kv_pos, float(kq_scale), r, self.k, self.l, self.sink,
                              self.mean_value, out, sel)
         self.last_selection = sel
         return out
 
     def __repr__(self):
-        return f"SparQAttention(r={self.r}, k={self.k}, l={self.l}, mean_value={self.mean_value})"
+        sink = f", sink={self.sink}" if self.sink else ""
+        return f"SparQAttention(r={self.r}, k={self.k}, l={self.l}{sink}, mean_value={self.mean_value})"
 
 
 class ExactTopKAttention(SparQAttention):

@@ -69,8 +69,21 @@ def recency_order(cells, kv_pos):
     return asc[::-1].copy()
 
 
+@numba.njit(cache=True)
+def select_positions(cells, kv_pos, s_sum, topk, local, sink):
+    """SPEC step 3 (indices into ``cells``, ascending): the ``local`` most recent, then the top (topk - local) of the
+    others by s_sum, positions below ``sink`` ranked above every score, equal keys to the more recent position."""
+    rec = recency_order(cells, kv_pos)
+    rest = rec[local:]  # most recent first, so a stable sort breaks ties towards recency
+    key = np.empty(rest.shape[0])
+    for p in range(rest.shape[0]):
+        key[p] = -np.inf if kv_pos[cells[rest[p]]] < sink else -s_sum[rest[p]]
+    best = rest[np.argsort(key, kind="mergesort")[: topk - local]]
+    return np.sort(np.concatenate((rec[:local], best)))
+
+
 @numba.njit(cache=True, parallel=True)
-def sparq_kernel(q, k, v, mask, kv_pos, kq_scale, r, topk, local, mean_value, out, sel_out):
+def sparq_kernel(q, k, v, mask, kv_pos, kq_scale, r, topk, local, sink, mean_value, out, sel_out):
     """docs/spec.md SparQ steps 1-5 for every (query row, KV head).
 
     r = D with mean_value=False is exact top-k (SPEC "Baselines"). sel_out [n_q, n_head_kv, w]
@@ -130,17 +143,11 @@ def sparq_kernel(q, k, v, mask, kv_pos, kq_scale, r, topk, local, mean_value, ou
         if all_selected:
             chosen = np.arange(n)
         else:
-            rec = recency_order(cells, kv_pos)
             s_sum = np.zeros(n)
             for jj in range(g):
                 for p in range(n):
                     s_sum[p] += s_hat[jj, p]
-            rest = rec[local:]  # most recent first, so a stable sort breaks ties towards recency
-            key = np.empty(rest.shape[0])
-            for p in range(rest.shape[0]):
-                key[p] = -s_sum[rest[p]]
-            best = rest[np.argsort(key, kind="mergesort")[: topk - local]]
-            chosen = np.sort(np.concatenate((rec[:local], best)))
+            chosen = select_positions(cells, kv_pos, s_sum, topk, local, sink)
         sel_cells = cells[chosen]
         for p in range(sel_cells.shape[0]):
             sel_out[t, h, p] = sel_cells[p]

@@ -16,11 +16,11 @@ from numba import prange
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.reference.attention import check_inputs, check_int
-from sparq_cpp.reference.kernels import exact_attend, recency_order
+from sparq_cpp.reference.kernels import exact_attend, select_positions
 
 
 @numba.njit(cache=True, parallel=True)
-def loki_kernel(qr, kr, v, mask, kv_pos, kq_scale, d, topk, local, out, sel_out):
+def loki_kernel(qr, kr, v, mask, kv_pos, kq_scale, d, topk, local, sink, out, sel_out):
     """SPEC Loki on rotated qr [n_q, n_head, D], kr [n_kv, n_head_kv, D] for every (query row, KV head).
 
     sel_out [n_q, n_head_kv, min(topk, n_kv)] receives the selected cells ascending, padded with -1."""
@@ -60,13 +60,7 @@ def loki_kernel(qr, kr, v, mask, kv_pos, kq_scale, d, topk, local, out, sel_out)
                     total += s[p]
                 for p in range(n):
                     s_sum[p] += s[p] / total
-            rec = recency_order(cells, kv_pos)
-            rest = rec[local:]  # most recent first, so the stable sort breaks ties towards recency
-            key = np.empty(rest.shape[0])
-            for p in range(rest.shape[0]):
-                key[p] = -s_sum[rest[p]]
-            best = rest[np.argsort(key, kind="mergesort")[: topk - local]]
-            chosen = np.sort(np.concatenate((rec[:local], best)))
+            chosen = select_positions(cells, kv_pos, s_sum, topk, local, sink)
         sel_cells = cells[chosen]
         for p in range(sel_cells.shape[0]):
             sel_out[t, h, p] = sel_cells[p]
@@ -94,7 +88,7 @@ def _as_bases(projections) -> list:
 
 
 class LokiAttention:
-    """SPEC "Loki" with parameters d (1..D), k (>= 1), l (0..k, default 0).
+    """SPEC "Loki" with parameters d (1..D), k (>= 1), l (0..k, default 0), sink (0..k - l, default 0).
 
     ``projections``: the bases P (not P^T) per layer: ``read_projection(...)``'s result, an array
     [n_layer, n_head_kv, D, D] or a list of [n_head_kv, D, D]. ``last_selection`` is as SparQAttention's.
@@ -102,12 +96,13 @@ class LokiAttention:
 
     name = "loki"
 
-    def __init__(self, projections, d, k, l=0):
+    def __init__(self, projections, d, k, l=0, sink=0):
         self.P = _as_bases(projections)
         self.D = self.P[0].shape[-1]
         self.d = check_int("d", d, 1, self.D)
         self.k = check_int("k", k, 1)
         self.l = check_int("l", l, 0, self.k)
+        self.sink = check_int("sink", sink, 0, self.k - self.l)
         self.last_selection = None
 
     def rotate(self, q, k, layer):
@@ -129,9 +124,10 @@ class LokiAttention:
         qr, kr = self.rotate(q, k, layer)
         out = np.empty(q.shape, dtype=np.float32)
         sel = np.empty((q.shape[0], k.shape[1], min(self.k, k.shape[0])), dtype=np.int32)
-        loki_kernel(qr, kr, v, mask, kv_pos, float(kq_scale), self.d, self.k, self.l, out, sel)
+        loki_kernel(qr, kr, v, mask, kv_pos, float(kq_scale), self.d, self.k, self.l, self.sink, out, sel)
         self.last_selection = sel
         return out
 
     def __repr__(self):
-        return f"LokiAttention(d={self.d}, k={self.k}, l={self.l}, layers={len(self.P)}, D={self.D})"
+        sink = f", sink={self.sink}" if self.sink else ""
+        return f"LokiAttention(d={self.d}, k={self.k}, l={self.l}{sink}, layers={len(self.P)}, D={self.D})"

@@ -79,7 +79,7 @@ static void init_uniform(ggml_tensor * t, std::mt19937 & gen) {
     set_f32(t, x);
 }
 
-struct tcase { int64_t hs, nh, nr, kv, nb; int r, top_k, n_local; bool mv, vmean; ggml_type type; int n_seq, swa; bool loki; };
+struct tcase { int64_t hs, nh, nr, kv, nb; int r, top_k, n_local; bool mv, vmean; ggml_type type; int n_seq, swa; bool loki; int n_sink = 0; };
 
 static bool run(const tcase & c, bool planted, unsigned seed) {
     ggml_init_params ip = { (size_t) 512*1024*1024, nullptr, false };
@@ -98,6 +98,9 @@ static bool run(const tcase & c, bool planted, unsigned seed) {
     const float scale = 1.0f/sqrtf((float) c.hs);
     ggml_tensor * out = c.loki ? ggml_loki_attn(ctx, q, k, v, m, p, scale, c.r, c.top_k, c.n_local)
                                : ggml_sparq_attn(ctx, q, k, kt, v, m, p, vm, scale, c.r, c.top_k, c.n_local, c.mv);
+    if (c.n_sink > 0) {
+        ggml_sparse_attn_set_sink(out, c.n_sink);
+    }
 
     std::mt19937 gen(seed);
     sparse_attn_test_data td = init_pos_mask(c.kv, c.nb, c.n_seq, c.swa, gen);
@@ -114,9 +117,9 @@ static bool run(const tcase & c, bool planted, unsigned seed) {
     std::vector<float> ref((float *) out->data, (float *) out->data + ggml_nelements(out));
 
     char name[256];
-    snprintf(name, sizeof(name), "%s hs=%lld nh=%lld nr=%lld kv=%lld nb=%lld r=%d top_k=%d n_local=%d mv=%d vmean=%d %s n_seq=%d swa=%d %s",
+    snprintf(name, sizeof(name), "%s hs=%lld nh=%lld nr=%lld kv=%lld nb=%lld r=%d top_k=%d n_local=%d n_sink=%d mv=%d vmean=%d %s n_seq=%d swa=%d %s",
         c.loki ? "loki " : "sparq", (long long) c.hs, (long long) c.nh, (long long) c.nr, (long long) c.kv, (long long) c.nb, c.r, c.top_k,
-        c.n_local, c.mv, c.vmean, ggml_type_name(c.type), c.n_seq, c.swa, planted ? "planted" : "uniform");
+        c.n_local, c.n_sink, c.mv, c.vmean, ggml_type_name(c.type), c.n_seq, c.swa, planted ? "planted" : "uniform");
     if (!ggml_cuda_sparse_attn_supported(0, out)) {
         printf("NOT SUPPORTED %s\n", name);
         ggml_free(ctx);
@@ -257,14 +260,19 @@ int main(int argc, char ** argv) {
             // top_k above n_kv, and l = k over many tiles
             cs.push_back({ 128, 2, 4, 1000, 1, r, 2000, 16, mv, false, t, 1, 0, loki });
             cs.push_back({ 128, 2, 4, 9000, 1, r, 100, 100, mv, false, t, 1, 0, loki });
+            // the first positions kept (an attention sink): one, several sequences, no local window, all of the budget
+            cs.push_back({ 128, 2, 4, 20000, 1, r, 128, 32, mv, false, t, 1, 0, loki, 1 });
+            cs.push_back({ 128, 2, 4, 1000, 4, r, 64, 16, mv, false, t, 2, 0, loki, 4 });
+            cs.push_back({ 128, 2, 4, 1000, 2, r, 64, 0, mv, false, t, 1, 0, loki, 64 });
+            cs.push_back({ 128, 2, 4, 1000, 3, r, 64, 16, mv, false, t, 3, 400, loki, 48 });
         }
     }
     int n_fail = 0, n = 0;
     for (bool planted : { true, false }) {
         if (what != "all" && what != (planted ? "planted" : "uniform") && !(quick && planted)) continue;
         for (size_t i = 0; i < cs.size(); ++i) {
-            // and in the quick tier the large shapes (many tiles of the selection) of the f16 cache
-            if (quick && i % 9 != 0 && !(cs[i].kv >= 6000 && cs[i].type == GGML_TYPE_F16)) continue;
+            // and in the quick tier the large shapes (many tiles of the selection) and the sinks of the f16 cache
+            if (quick && i % 9 != 0 && !((cs[i].kv >= 6000 || cs[i].n_sink > 0) && cs[i].type == GGML_TYPE_F16)) continue;
             n++;
             n_fail += !run(cs[i], planted, 1234 + (unsigned) i);
         }

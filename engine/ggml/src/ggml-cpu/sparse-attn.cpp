@@ -293,6 +293,7 @@ struct ggml_sparse_attn_layout {
     size_t chunk_v_sums;     // f32  [n_head_kv][n_chunk][DV] sum of V over the visible cells
     size_t local_cells;      // i32  [n_local]                the most recent visible cells
     size_t local_last;       // cand                          the least recent of them
+    size_t sink_cells;       // i32  [1 + n_sel]              the number of sink cells kept, then those cells
     size_t set_sel;          // i32  [n_set][n_sel]           ALISA: the selection of each set
     size_t set_n_sel;        // i32  [n_set]
     size_t head_weights;     // f32  [n_head_kv][n_sel]       ALISA: each kv head's weights, summed over its group
@@ -315,6 +316,7 @@ struct ggml_sparse_attn_layout {
     size_t selection;        // i32  [n_sel]
     size_t head_local_cells; // i32  [n_local]                local_cells and local_last, kv heads per thread
     size_t head_local_last;  // cand
+    size_t head_sink_cells;  // i32  [1 + n_sel]              sink_cells, kv heads per thread
     size_t head_scores;      // f32  [g][n_kv]                scores, chunk_stats and chunk_v_sums of the thread's
     size_t head_chunk_stats; // f32  [g][n_chunk][2]          kv head, kv heads per thread
     size_t head_v_sums;      // f32  [n_chunk][DV]
@@ -345,6 +347,7 @@ static ggml_sparse_attn_layout ggml_sparse_attn_get_layout(const ggml_tensor * d
     const int64_t r       = ggml_get_op_params_i32(dst, 1);
     const int64_t top_k   = ggml_get_op_params_i32(dst, 2);
     const int64_t n_local = std::min<int64_t>(ggml_get_op_params_i32(dst, 3), n_kv);
+    const int64_t n_sink  = ggml_get_op_params_i32(dst, 7);
 
     // Loki scores every kv head of a chunk in one pass: its queries and maxes are for all heads
     const bool    loki = ggml_get_op_params_i32(dst, 5) == GGML_SPARSE_ATTN_RANK_LOKI;
@@ -369,6 +372,7 @@ static ggml_sparse_attn_layout ggml_sparse_attn_get_layout(const ggml_tensor * d
     l.chunk_v_sums = alloc(sizeof(float)*n_head_kv*l.n_chunk*DV);
     l.local_cells  = alloc(sizeof(int32_t)*std::max<int64_t>(n_local, 1));
     l.local_last   = alloc(sizeof(ggml_sparse_attn_cand));
+    l.sink_cells   = alloc(sizeof(int32_t)*(1 + (n_sink > 0 ? l.n_sel : 0)));
 
     const bool    alisa = ggml_get_op_params_i32(dst, 5) == GGML_SPARSE_ATTN_RANK_ALISA;
     const int64_t n_set = alisa ? dst->src[7]->ne[1] : 0;
@@ -393,6 +397,7 @@ static ggml_sparse_attn_layout ggml_sparse_attn_get_layout(const ggml_tensor * d
     l.selection        = alloc(sizeof(int32_t)*l.n_sel);
     l.head_local_cells = alloc(sizeof(int32_t)*std::max<int64_t>(n_local, 1));
     l.head_local_last  = alloc(sizeof(ggml_sparse_attn_cand));
+    l.head_sink_cells  = alloc(sizeof(int32_t)*(1 + (n_sink > 0 ? l.n_sel : 0)));
     l.head_scores      = alloc(sizeof(float)*g*n_kv);
     l.head_chunk_stats = alloc(sizeof(float)*g*l.n_chunk*2);
     l.head_v_sums      = alloc(sizeof(float)*l.n_chunk*DV);
@@ -454,6 +459,7 @@ struct ggml_sparse_attn_ctx {
 
     float   scale;
     int64_t r, top_k, n_local;
+    int64_t n_sink;  // positions below this rank above every other (the attention sink)
     bool    mean_value;
     int32_t rank;    // enum ggml_sparse_attn_rank; r is Loki's d
     float   c;       // ALISA's caching ratio
@@ -470,6 +476,7 @@ struct ggml_sparse_attn_ctx {
     // set per row
     const int32_t               * local_cells; // the n_local most recent visible cells
     const ggml_sparse_attn_cand * local_last;  // the least recent of them
+    const int32_t               * sink_cells;  // [0]: the number of visible cells below n_sink kept, then those cells
     int64_t                       n_vis;       // visible cells
     int64_t                       i_vis;       // the first of them
 
@@ -691,10 +698,39 @@ static void ggml_sparse_attn_begin_row(ggml_sparse_attn_ctx & ctx, int ith, cons
     ctx.i_vis = i_vis;
 }
 
-// the n_local visible cells with the largest positions, only needed when not all visible cells are selected
+// the visible cells at positions below n_sink that are not local, at most top_k - n_local of them (the greatest
+// (pos, cell) first, as if their scores were all above every other): sink[0] their number, then the cells
+static void ggml_sparse_attn_select_sink(const ggml_sparse_attn_ctx & ctx, int ith, const ggml_fp16_t * mp, const int32_t * pp,
+        const ggml_sparse_attn_cand * last, int32_t * sink) {
+    const ggml_fp16_t masked = GGML_CPU_FP32_TO_FP16(-INFINITY);
+    ggml_sparse_attn_cand * buf = ctx.local<ggml_sparse_attn_cand>(ith, ctx.l.candidates);
+    const ggml_sparse_attn_cand_greater gt;
+
+    int64_t n = 0;
+    for (int64_t i = 0; i < ctx.n_kv; ++i) {
+        if (pp[i] < ctx.n_sink && mp[i] != masked) {
+            const ggml_sparse_attn_cand x = { 0.0f, pp[i], (int32_t) i };
+            if (last == nullptr || gt(*last, x)) {
+                buf[n++] = x;
+            }
+        }
+    }
+    const int64_t n_keep = std::min<int64_t>(n, ctx.top_k - ctx.n_local);
+    if (n_keep > 0 && n_keep < n) {
+        std::nth_element(buf, buf + n_keep - 1, buf + n, gt);
+    }
+    sink[0] = (int32_t) n_keep;
+    for (int64_t i = 0; i < n_keep; ++i) {
+        sink[1 + i] = buf[i].cell;
+    }
+}
+
+// the n_local visible cells with the largest positions, then the sink cells, only needed when not all visible cells
+// are selected
 static void ggml_sparse_attn_select_local(const ggml_sparse_attn_ctx & ctx, int ith, const ggml_fp16_t * mp, const int32_t * pp,
-        int32_t * local, ggml_sparse_attn_cand * last) {
+        int32_t * local, ggml_sparse_attn_cand * last, int32_t * sink) {
     const int64_t n_local = ctx.n_local;
+    sink[0] = 0;
 
     // the visible cells and their largest position, in a loop without branches (the compiler vectorises it)
     const ggml_fp16_t masked = GGML_CPU_FP32_TO_FP16(-INFINITY);
@@ -706,7 +742,13 @@ static void ggml_sparse_attn_select_local(const ggml_sparse_attn_ctx & ctx, int 
         n_vis -= vis;
     }
 
-    if (n_local == 0 || n_vis <= ctx.top_k) {
+    if (n_vis <= ctx.top_k) {
+        return;
+    }
+    if (n_local == 0) {
+        if (ctx.n_sink > 0) {
+            ggml_sparse_attn_select_sink(ctx, ith, mp, pp, nullptr, sink);
+        }
         return;
     }
 
@@ -752,6 +794,9 @@ static void ggml_sparse_attn_select_local(const ggml_sparse_attn_ctx & ctx, int 
     *last = buf[n_local - 1];
     for (int64_t i = 0; i < n_local; ++i) {
         local[i] = buf[i].cell;
+    }
+    if (ctx.n_sink > 0) {
+        ggml_sparse_attn_select_sink(ctx, ith, mp, pp, last, sink);
     }
 }
 
@@ -1544,9 +1589,24 @@ static void ggml_sparse_attn_select_top(const ggml_sparse_attn_ctx & ctx, int it
         }
     }
 
+    // the sink cells rank above every candidate: selected, and dropped from the candidates
+    const int64_t n_sink = ctx.n_sink > 0 ? ctx.sink_cells[0] : 0;
+    if (ctx.n_sink > 0) {
+        for (int64_t i = 0; i < n_sink; ++i) {
+            sel[(*n_sel)++] = ctx.sink_cells[1 + i];
+        }
+        const int64_t n = n_rest;
+        n_rest = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            if (cand[i].pos >= ctx.n_sink) {
+                cand[n_rest++] = cand[i];
+            }
+        }
+    }
+
     // fewer candidates than asked for only when scores are not finite (NaN is never above a threshold):
     // attend to those there are, the result is as undefined as the scores, but the process goes on
-    const int64_t n_top = std::min<int64_t>(ctx.top_k - ctx.n_local, n_rest);
+    const int64_t n_top = std::min<int64_t>(ctx.top_k - ctx.n_local - n_sink, n_rest);
     // the sampled scores are no longer needed: their buffer holds the keys
     if (n_top > 0 && ggml_sparse_attn_top_by_bits(cand, n_rest, n_top, smp, sel, n_sel)) {
         return;
@@ -1850,9 +1910,11 @@ static void ggml_sparse_attn_forward_per_head(ggml_sparse_attn_ctx & ctx, const 
 
             int32_t               * local = ctx.local<int32_t>(ith, ctx.l.head_local_cells);
             ggml_sparse_attn_cand * last  = ctx.local<ggml_sparse_attn_cand>(ith, ctx.l.head_local_last);
-            ggml_sparse_attn_select_local(ctx, ith, mp, pp, local, last);
+            int32_t               * sink  = ctx.local<int32_t>(ith, ctx.l.head_sink_cells);
+            ggml_sparse_attn_select_local(ctx, ith, mp, pp, local, last, sink);
             ctx.local_cells = local;
             ctx.local_last  = last;
+            ctx.sink_cells  = sink;
         }
 
         if (h_prep != h) {
@@ -1927,7 +1989,8 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
             const int64_t it1 = (n_items*(ith + 1))/nth;
 
             if (ith == 0) {
-                ggml_sparse_attn_select_local(ctx, ith, mp, pp, ctx.shared<int32_t>(ctx.l.local_cells), ctx.shared<ggml_sparse_attn_cand>(ctx.l.local_last));
+                ggml_sparse_attn_select_local(ctx, ith, mp, pp, ctx.shared<int32_t>(ctx.l.local_cells), ctx.shared<ggml_sparse_attn_cand>(ctx.l.local_last),
+                        ctx.shared<int32_t>(ctx.l.sink_cells));
             }
 
             if (loki && it0 < it1) {
@@ -1953,6 +2016,7 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
             ctx.n_vis       = ggml_sparse_attn_n_visible(ctx);
             ctx.local_cells = ctx.shared<int32_t>(ctx.l.local_cells);
             ctx.local_last  = ctx.shared<ggml_sparse_attn_cand>(ctx.l.local_last);
+            ctx.sink_cells  = ctx.shared<int32_t>(ctx.l.sink_cells);
 
             // mostly the heads that this thread has scored in phase 1
             for (int64_t h = (ctx.n_head_kv*ith)/nth; h < (ctx.n_head_kv*(ith + 1))/nth; ++h) {
@@ -2050,7 +2114,7 @@ static void ggml_sparse_attn_forward_alisa(ggml_sparse_attn_ctx & ctx, const ggm
             float * w_row = (float *) (w_out + (iq1*n_set + iq3*ctx.n_batch*n_set)*ctx.n_kv*sizeof(float));
 
             if (ctx.n_vis > 0 && !all) {
-                ggml_sparse_attn_select_local(ctx, ith, mp, pp, local, last);
+                ggml_sparse_attn_select_local(ctx, ith, mp, pp, local, last, ctx.local<int32_t>(ith, ctx.l.head_sink_cells));
                 ctx.local_cells = local;
                 ctx.local_last  = last;
             }
@@ -2152,6 +2216,7 @@ void ggml_compute_forward_sparse_attn(
     ctx.mean_value = ggml_get_op_params_i32(dst, 4) != 0;
     ctx.rank       = ggml_get_op_params_i32(dst, 5);
     ctx.c          = ggml_get_op_params_f32(dst, 6);
+    ctx.n_sink     = ggml_get_op_params_i32(dst, 7);
 
     GGML_ASSERT(dst->type == GGML_TYPE_F32);
     ctx.y_nb1 = dst->nb[1];

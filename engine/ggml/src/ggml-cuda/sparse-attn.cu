@@ -12,9 +12,9 @@
 //   3. select   (3a-3c grid: tile of cells x kv head x row; 3d: kv head x row, one block)
 //        the softmax over all visible cells from the chunk statistics, s = sum_j softmax_j, then the n_local most
 //        recent visible cells (by position, then cell) and the top (top_k - n_local) of the others by (s, position,
-//        cell), both by a deterministic radix select: two 11-bit digits of s and one of the distance to the largest
-//        position by histograms over the whole grid (global atomics on integer counts), then the candidates that
-//        these leave (about top_k and n_local) finished by one block; the selection is written in cell order, with
+//        cell), the cells at positions below n_sink first (their key is the largest), both by a deterministic radix
+//        select: two 11-bit digits of s and one of the distance to the largest position by histograms over the
+//        whole grid (global atomics on integer counts), then the candidates that these leave (about top_k and n_local) finished by one block; the selection is written in cell order, with
 //        alpha_j = the approximate mass it holds (details above sparse_attn_sel_keys)
 //   4. attend   (grid: split of the selection x kv head x row)
 //        exact attention of the whole group over a slice of the selected rows: each K and V row is read from global
@@ -83,6 +83,7 @@ struct sparse_attn_params {
     int   r_pad;      // length of a query head's row of scaled components (Loki: d rounded up to 2, zero padded)
     int   top_k;
     int   n_local;
+    int   n_sink;     // positions below this rank above every other (their key is the largest)
     int   mean_value;
     int   rank;       // enum ggml_sparse_attn_rank
 
@@ -774,7 +775,7 @@ static __global__ void __launch_bounds__(SPARSE_ATTN_TILE_THREADS) sparse_attn_s
             for (int j = 0; j < g; ++j) {
                 s += expf(sc[(size_t) j*n_kv + i] - sM[j])*siZ[j];
             }
-            kk = sparse_attn_score_key(s);
+            kk = prow[i] < p.n_sink ? 0xFFFFFFFFu : sparse_attn_score_key(s);
             nv++;
             nd += kk >= 2;
             pm = max(pm, sparse_attn_pos_key(prow[i]));
@@ -1336,6 +1337,7 @@ bool ggml_cuda_sparse_attn_supported(int device, const ggml_tensor * op) {
     const int32_t top_k      = ggml_get_op_params_i32(op, 2);
     const int32_t n_local    = ggml_get_op_params_i32(op, 3);
     const bool    mean_value = ggml_get_op_params_i32(op, 4) != 0;
+    const int32_t n_sink     = ggml_get_op_params_i32(op, 7);
 
     // K and V of the same type: f32, f16 or q8_0
     if (k->type != v->type || (k->type != GGML_TYPE_F32 && k->type != GGML_TYPE_F16 && k->type != GGML_TYPE_Q8_0)) {
@@ -1368,7 +1370,7 @@ bool ggml_cuda_sparse_attn_supported(int device, const ggml_tensor * op) {
     }
     const int64_t g = n_head/n_head_kv;
 
-    if (r < 1 || r > DK || top_k < 1 || n_local < 0 || n_local > top_k) {
+    if (r < 1 || r > DK || top_k < 1 || n_local < 0 || n_local > top_k || n_sink < 0 || n_sink > top_k - n_local) {
         return false;
     }
 
@@ -1515,6 +1517,7 @@ void ggml_cuda_sparse_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.r          = ggml_get_op_params_i32(dst, 1);
     p.top_k      = ggml_get_op_params_i32(dst, 2);
     p.n_local    = ggml_get_op_params_i32(dst, 3);
+    p.n_sink     = ggml_get_op_params_i32(dst, 7);
     p.mean_value = ggml_get_op_params_i32(dst, 4);
     p.rank       = ggml_get_op_params_i32(dst, 5);
     p.r_pad      = p.rank == GGML_SPARSE_ATTN_RANK_LOKI ? GGML_PAD(p.r, 2) : p.r;
