@@ -68,9 +68,9 @@ class _Context:
         if mode.dense:
             att = Dense()
         elif mode.kind == "loki":
-            att = Loki(d=cfg.d, k=cfg.k, l=cfg.loki_l, projection=cfg.loki_pca)
+            att = Loki(d=cfg.d, k=cfg.k, l=cfg.loki_l, projection=cfg.loki_pca, sink=cfg.sink)
         else:
-            att = SparQ(r=cfg.r, k=cfg.k, l=cfg.l, mean_value=cfg.mean_value)
+            att = SparQ(r=cfg.r, k=cfg.k, l=cfg.l, mean_value=cfg.mean_value, sink=cfg.sink)
         self.llm = Llama(path, att, cache_type=mode.cache_type, n_ctx=n_ctx, n_batch=self.n_batch,
                          n_ubatch=self.n_batch, n_threads=cfg.threads, n_threads_batch=cfg.threads,
                          flash_attn=mode.flash_attn, seed=cfg.seed, logits_all=False)
@@ -385,7 +385,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     loki_basis = None
     if any(MODES[m].kind == "loki" for m in cfg.modes):
         cfg.loki_pca, loki_basis = loki_projection(cfg, path, shape, log)
-        log(f"loki      basis {cfg.loki_pca.name}: {loki_basis}; d={cfg.d}, k={cfg.k}, l={cfg.loki_l}")
+        log(f"loki      basis {cfg.loki_pca.name}: {loki_basis}; d={cfg.d}, k={cfg.k}, l={cfg.loki_l}, sink={cfg.sink}")
     info = machine.machine_info()
     log(f"machine   {info['cpu_model']}, {info['cores_usable']} cores, {fmt_bytes(info['mem_total_bytes'] or 0)} RAM; "
         f"{cfg.threads} threads")

@@ -62,6 +62,7 @@ class BenchConfig:
     l: int = 32
     d: int = 32
     loki_l: int = 0
+    sink: int = 0         # SparQ's and Loki's first positions always kept
     loki_pca: Path | None = None  # None: a synthetic basis for the model (decode time does not depend on it)
     mean_value: bool = True
     repeats: int = 15
@@ -146,6 +147,8 @@ def validate(cfg: BenchConfig) -> BenchConfig:
         raise SparqError(f"--l: must be in 0..k ({cfg.k}), got {cfg.l}")
     if not 0 <= cfg.loki_l <= cfg.k:
         raise SparqError(f"--loki-l: must be in 0..k ({cfg.k}), got {cfg.loki_l}")
+    if not 0 <= cfg.sink <= cfg.k - max(cfg.l, cfg.loki_l):
+        raise SparqError(f"--sink: must be in 0..k - l ({cfg.k - max(cfg.l, cfg.loki_l)}), got {cfg.sink}")
     if cfg.loki_pca is not None and not Path(cfg.loki_pca).is_file():
         raise SparqError(f"--loki-pca: file not found: {cfg.loki_pca}")
     cfg = replace(cfg, threads=check_threads(cfg.threads if cfg.threads is not None else _default_threads()))

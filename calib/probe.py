@@ -6,9 +6,11 @@ llama.cpp, as generation runs.
 calib.budget's layer errors rank settings of one method well, but they do not see a lost retrieval: on Gemma 3 at
 1/8, SparQ and Loki with the first position kept have about the same output error per layer, yet SparQ loses the
 copy (2.2 bits per character where dense copies at 0.05) and Loki with the first position kept does not
-(docs/accuracy.md). `sparq-cpp calibrate` probes, per ratio, the candidate of least layer error of each method and
-sink (`pick`), and `--attn auto` chooses among the probed candidates by the bits per character lost on text plus
-on the retrieval (sparq_cpp.auto).
+(docs/accuracy.md); within Loki with the first position kept, the local window lowers the layer error on text and
+costs the retrieval (d = 16, l = k/4: 0.32 and +0.89 bits per character lost on it; d = 32, l = 0: 0.45 and
++0.00). So `sparq-cpp calibrate` probes, per ratio, method, sink and local window, the rank of least layer error
+(`pick`), and `--attn auto` chooses among the probed candidates by the bits per character lost on text plus on the
+retrieval (sparq_cpp.auto).
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ COPY_WORDS = 64    # retrieval: words in the repeated paragraph (the second half
 
 
 def pick(fid: dict) -> list[int]:
-    """The candidates to probe: per ratio, method and sink, the one of least mean layer error."""
+    """The candidates to probe: per ratio, method, sink and share of k kept local, the rank of least mean layer
+    error."""
     best: dict = {}
     for i, c in enumerate(fid["candidates"]):
-        key = (c["ratio"], c["method"], c["sink"])
+        key = (c["ratio"], c["method"], c["sink"], c["l"] > 0)
         err = float(np.mean(fid["error"][i]))
         if key not in best or err < best[key][0]:
             best[key] = (err, i)

@@ -28,6 +28,8 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--l", "l", type=int, default=32, show_default=True, help="SparQ: most recent positions always kept.")
 @click.option("--d", "d", type=int, default=32, show_default=True, help="Loki: principal components used for ranking.")
 @click.option("--loki-l", type=int, default=0, show_default=True, help="Loki: most recent positions always kept.")
+@click.option("--sink", type=int, default=0, show_default=True,
+              help="SparQ and Loki: positions below this (the first tokens) always kept, 0..k - l.")
 @click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
               help="Loki: projection GGUF for --model (default: a synthetic random basis; timing only).")
 @click.option("--mean-value/--no-mean-value", default=True, show_default=True,
@@ -63,14 +65,14 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
 @progress_option
-def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, loki_pca, mean_value, repeats, rounds, warmup, threads,
+def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sink, loki_pca, mean_value, repeats, rounds, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
             max_extra_steps, wait_quiet, interleave, progress):
     """Time decoding one token at a time from depth S for each mode, as generation runs it (median and IQR
     of steady steps), with the bytes each token reads, the machine's read bandwidth and the speed-up bound;
     the first step after filling the cache and a step right after removing the last token are reported apart."""
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
-                      r=r, k=k, l=l, d=d, loki_l=loki_l, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
+                      r=r, k=k, l=l, d=d, loki_l=loki_l, sink=sink, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=bandwidth_mib << 20, disturbed_frac=disturbed_frac,

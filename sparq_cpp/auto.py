@@ -3,7 +3,7 @@
 `sparq-cpp calibrate` measures on the user's text the error of the attention output each candidate computes
 (and the attention mass it keeps), per full-attention layer (calib.budget: SparQ and Loki, each with the rank at 1/2, 1 and 3/2 of the transfer
 formula's split, with and without the first position always kept, at ratios 1/4, 1/8 and 1/16), then runs the
-best of each method and sink per ratio end to end (calib.probe: bits per character lost against dense on text and
+best rank of each method, sink and local window per ratio end to end (calib.probe: bits per character lost against dense on text and
 on a repeated paragraph), and stores both in the calibration GGUF as loki.fidelity.* keys (`Fidelity` below).
 `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size, among the candidates
 measured at the largest ratio not above the target, to the probed one that loses the fewest bits per character on

@@ -100,7 +100,7 @@ def test_probe_decides_where_there_is_one(calibration, measured):
     summary = check_gguf(model)
     cands = fid["candidates"]
     idx = pick(fid)
-    assert len(idx) == len({(c["ratio"], c["method"], c["sink"]) for c in cands})
+    assert len(idx) == len({(c["ratio"], c["method"], c["sink"], c["l"] > 0) for c in cands})
     want = next(i for i in idx if cands[i]["ratio"] == 1 / 8 and cands[i]["method"] == "loki" and cands[i]["sink"] == 1)
     probe = {"probed": [int(i in idx) for i in range(len(cands))], "samples": 2, "dense_text": 1.1, "dense_copy": 0.05,
              "text": [0.01 if i in idx else 0.0 for i in range(len(cands))],

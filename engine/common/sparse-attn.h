@@ -8,11 +8,11 @@
 // compute the attention output best within R of dense attention's reads. The calibration (a Loki projection GGUF,
 // by default <model stem>.loki.gguf next to the model) holds, per candidate setting measured at some ratios, the
 // relative error of the attention output (and the attention mass kept) in each full-attention layer
-// (loki.fidelity.*), and for the best of each method and sink the bits per character lost end to end on text and
-// on a retrieval. The choice: among the candidates at the largest measured ratio not above R (else the smallest),
-// the probed one that loses the fewest bits per character on both together (without a probe: the smallest mean
-// error over the layers); its rank is scaled to R, k is the largest whose reads at the context size stay within R
-// of dense reads, l keeps its share of k and the sink its size.
+// (loki.fidelity.*), and for the best rank of each method, sink and local window the bits per character lost end
+// to end on text and on a retrieval. The choice: among the candidates at the largest measured ratio not above R
+// (else the smallest), the probed one that loses the fewest bits per character on both together (without a probe:
+// the smallest mean error over the layers); its rank is scaled to R, k is the largest whose reads at the context
+// size stay within R of dense reads, l keeps its share of k and the sink its size.
 
 struct common_sparse_attn_auto {
     double      ratio = 0.125; // reads / dense reads, in (0, 1)
