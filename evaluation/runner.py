@@ -268,7 +268,8 @@ def _config_doc(cfg: EvalConfig, mean_value: bool) -> dict:
     return {"model_path": str(cfg.model_path), "tasks": list(cfg.tasks), "methods": [m.label for m in cfg.methods],
             "ratios": list(cfg.ratios), "task": dataclasses.asdict(cfg.task_cfg),
             "data": {k: str(v) for k, v in cfg.data.items()}, "cache_type": cfg.cache_type,
-            "sparq_r": cfg.sparq_r, "sparq_local": cfg.sparq_local, "loki_d": cfg.loki_d, "mean_value": mean_value,
+            "sparq_r": cfg.sparq_r, "sparq_local": cfg.sparq_local, "loki_d": cfg.loki_d, "sink": cfg.sink,
+            "mean_value": mean_value,
             "loki_projection": cfg.loki_projection, "seed": cfg.seed}
 
 

@@ -37,7 +37,7 @@ def run_both(q, k, v, mask, pos, d, top_k, l, kv_type="f16", n_threads=2, scale=
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-@pytest.mark.parametrize("sink,l,n_seq,n_q", [(1, 0, 1, 1), (4, 16, 3, 3), (64, 0, 1, 2), (48, 16, 2, 1)])
+@pytest.mark.parametrize("sink,l,n_seq,n_q", [(1, 0, 1, 1), (4, 16, 3, 3), (64, 0, 1, 2), (48, 16, 2, 1), (2, 0, 2, 6)])
 @pytest.mark.parametrize("kind", ["random", "planted"])
 def test_sink_matches_reference(kind, sink, l, n_seq, n_q, kv_type):
     rng = np.random.default_rng(sink * 10 + n_seq + (kind == "planted") + 3)

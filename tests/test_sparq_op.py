@@ -33,7 +33,7 @@ def run_both(q, k, v, mask, pos, r, top_k, l, mean_value=True, kv_type="f16", kt
 # the first positions always kept (the attention sink): one, several sequences (each has its own first positions),
 # no local window, all of the budget the local window leaves; one query row (kv heads per thread) and several
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-@pytest.mark.parametrize("sink,l,n_seq,n_q", [(1, 16, 1, 1), (4, 16, 3, 3), (64, 0, 1, 2), (48, 16, 2, 1)])
+@pytest.mark.parametrize("sink,l,n_seq,n_q", [(1, 16, 1, 1), (4, 16, 3, 3), (64, 0, 1, 2), (48, 16, 2, 1), (1, 16, 1, 6)])
 @pytest.mark.parametrize("kind", ["random", "planted"])
 def test_sink_matches_reference(kind, sink, l, n_seq, n_q, kv_type):
     rng = np.random.default_rng(sink * 10 + n_seq + (kind == "planted"))
