@@ -56,7 +56,7 @@ def probe(model_path, projection, text: str, cands: list[dict], idx: list[int], 
     s = check_gguf(model_path)
     tok = tasks.Tokenizer(model_path)
     ctx = S - CONTINUATION
-    need = int(S * 6)
+    need = int(S * 6)  # characters per sample: S tokens at up to ~6 characters each
     source = _held_out(text, tok, skip_tokens, need * n_samples)
     try:
         samples = {

@@ -11,8 +11,7 @@ import numpy as np
 from sparq_cpp import lazy
 from sparq_cpp.calib.budget import measure_budget
 from sparq_cpp.calib.figure import rank_figure
-from sparq_cpp.calib.probe import pick
-from sparq_cpp.calib.probe import probe as run_probe
+from sparq_cpp.calib.probe import pick, probe as run_probe
 from sparq_cpp.calib.projection import check_embeddable, embed_projection, write_projection
 from sparq_cpp.calib.run import calibrate, check_sizes
 from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
