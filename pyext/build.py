@@ -1,11 +1,13 @@
-"""Build the patched llama.cpp once per set of inputs, and install it.
+"""Build the patched llama.cpp once per set of inputs, run it here, and install it.
 
 One CMake build of the patched sdist gives both products, so nothing is compiled twice:
   - the llama-cpp-python wheel (libllama, libggml*), installed into the running environment;
   - the standalone tools (llama-bench, llama-cli, llama-completion, llama-server, test-backend-ops).
 The build lives in `<cache>/build/<key>`, where the key hashes every input: the pinned sdist, the
 patch series (every byte), the build options, and this file's BUILDER_VERSION. Same inputs: no
-rebuild. `python -m sparq_cpp.pyext.build [--cuda [--cuda-arch 90]]` (CUDA: pyext/cuda.py).
+rebuild. Before a build is installed it runs here (pyext/smoke.py: the demo model through the Python
+bindings in every mode and a stock tool, each in a child process); one that dies is not installed.
+`python -m sparq_cpp.pyext.build [--cuda [--cuda-arch 90]]` (CUDA: pyext/cuda.py).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tqdm import tqdm
 
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import cuda as pcuda
+from sparq_cpp.pyext import smoke
 from sparq_cpp.pyext.patchtree import apply_series, bindings_series, patch_tree, series, series_hash
 from sparq_cpp.pyext.upstream import PATCHES_DIR, Pin, cache_root, fetch_sdist, unpack_sdist
 
@@ -251,7 +254,8 @@ def tool_path(name: str) -> Path:
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--no-install", is_flag=True, help="Build (or find in the cache) but do not install.")
 @click.option("--print-key", is_flag=True, help="Print the build key for these inputs and exit.")
-def main(cuda, cuda_arch, no_native, cmake_args, no_install, print_key):
+@click.option("--smoke-again", is_flag=True, help="Run the smoke test even if this build passed it here before.")
+def main(cuda, cuda_arch, no_native, cmake_args, no_install, print_key, smoke_again):
     """Build (or reuse) the patched llama.cpp and install it into this environment."""
     try:
         cuda_args = ()
@@ -266,6 +270,8 @@ def main(cuda, cuda_arch, no_native, cmake_args, no_install, print_key):
             click.echo(build_key(opts))
             return
         b = build(opts)
+        if not no_install:
+            smoke.check(b, log=click.echo, again=smoke_again)  # installed only after it ran here
         changed = False if no_install else install(b)
         click.echo(f"patched llama.cpp build {b.key}: {len(b.patches)} patches, "
                    f"{'installed' if changed else 'already installed' if not no_install else 'not installed'}; "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sparq_cpp.bench.server_process import ServerProcess
 
@@ -50,6 +51,53 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session, exitstatus):
     if _required_skipped and exitstatus == 0:
         session.exitstatus = 1
+
+
+# ---- a native crash fails its test, not the run ------------------------------------------------
+
+# Tests run in a pytest-xdist worker process (`-n 1` in pyproject's addopts): when the patched engine dies
+# of a signal inside a test, xdist fails that test by name and starts a new worker for the rest. Each worker
+# writes Python's fatal-error dump (faulthandler: the signal and the stack) to a file of its own, and the
+# controller puts the signal and the test's frames into that test's failure.
+_CRASH_DIR_ENV = "SPARQ_PYTEST_CRASH_DIR"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which points it at stderr
+def pytest_configure(config):
+    import faulthandler
+    import os
+    import tempfile
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        os.environ.setdefault(_CRASH_DIR_ENV, tempfile.mkdtemp(prefix="sparq-pytest-crash-"))
+    elif os.environ.get(_CRASH_DIR_ENV):
+        f = open(Path(os.environ[_CRASH_DIR_ENV]) / f"{worker}.txt", "w")  # noqa: SIM115 (kept open: the dump target)
+        config._sparq_crash_file = f
+        faulthandler.enable(file=f, all_threads=False)
+
+
+def crash_summary(dump: str, max_frames: int = 8) -> str:
+    """The first line of a faulthandler dump (the signal) and the innermost frames outside the Python
+    installation (the test's own and the project's)."""
+    lines = dump.strip().splitlines()
+    if not lines:
+        return "the worker died without a fatal-error dump (killed, or out of memory?)"
+    head = lines[0].strip()
+    frames = [ln.strip() for ln in lines[1:] if ln.strip().startswith("File")
+              and not any(s in ln for s in ("site-packages", "/lib/python", "<string>", "<frozen"))]
+    return "\n".join([head] + frames[:max_frames])
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the controller, when a worker died running crashitem
+def pytest_handlecrashitem(crashitem, report, sched):
+    import os
+
+    crash_dir = os.environ.get(_CRASH_DIR_ENV)
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+    path = Path(crash_dir) / f"{worker}.txt" if crash_dir and worker else None
+    dump = path.read_text(errors="replace") if path and path.is_file() else ""
+    report.longrepr = f"{report.longrepr}\n{crash_summary(dump)}"
 
 
 # ---- GGUF files -------------------------------------------------------------------------------
