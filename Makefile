@@ -23,7 +23,9 @@ demo: setup
 	$(VENV)/bin/sparq-cpp generate -n 96 --r 16 --k 16
 
 # pytest exits 5 when it collected nothing: that is a broken test run here, not a pass.
+# tools/test-prereqs.sh installs what the aarch64 checks need where it can (root and apt-get), else says so.
 test: setup
+	@tools/test-prereqs.sh
 	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

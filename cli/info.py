@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from sparq_cpp import lazy
+from sparq_cpp.bindings.cpu_backend import cpu_library, variants
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext.build import installed_build
 from sparq_cpp.pyext.patchtree import series, series_hash
@@ -41,5 +42,16 @@ def command():
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     click.echo(f"library       {lib_dir}")
     click.echo(f"backends      {', '.join(backends(lib_dir))}")
+    try:
+        cpu_lib, variant = cpu_library(lib_dir)
+    except FileNotFoundError as e:
+        raise SparqError(str(e)) from None
+    if variant is None:
+        built_for = "this CPU (-march=native)" if rec["options"].get("native") else "ggml's baseline"
+        click.echo(f"cpu backend   {cpu_lib.name} (one variant, built for {built_for})")
+    else:
+        scores = variants(lib_dir)
+        click.echo(f"cpu backend   {variant} ({cpu_lib.name}; chosen at run time from {len(scores)} variants, "
+                   f"{sum(s > 0 for s in scores.values())} of which run on this CPU)")
     click.echo(f"cpu features  {llama_cpp.llama_print_system_info().decode().strip()}")
     click.echo(f"tools         {Path(rec['tools']['llama-bench']).parent}")

@@ -47,6 +47,9 @@ class BuildOptions:
     cuda_args: tuple[str, ...] = ()  # a CUDA build's CMake arguments (pyext.cuda.cmake_args); empty: CPU only
     native: bool = True
     extra_cmake_args: tuple[str, ...] = ()
+    # one CPU backend per instruction-set level (ggml's GGML_CPU_ALL_VARIANTS), the best for the CPU at hand
+    # loaded at run time (GGML_BACKEND_DL), as llama.cpp's release builds do: one build for many machines
+    portable: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -57,17 +60,22 @@ class BuildOptions:
             "-DLLAMA_BUILD_TOOLS=ON", "-DLLAVA_BUILD=OFF",  # mtmd comes with the tools; LLAVA would add it twice
             "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_TESTS_INSTALL=OFF",  # we pick test-backend-ops from the build
             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-            "-DLLAMA_BUILD_APP=OFF", f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}", "-DGGML_RPC=ON",
+            "-DLLAMA_BUILD_APP=OFF", f"-DGGML_NATIVE={'ON' if self.native and not self.portable else 'OFF'}",
+            "-DGGML_RPC=ON",
         ]
+        if self.portable:
+            args += ["-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"]
         return args + list(self.cuda_args) + list(self.extra_cmake_args)
 
     def targets(self) -> list[str]:
-        return LIB_TARGETS + (["ggml-cuda"] if self.cuda else []) + TOOLS
+        # a portable build has no ggml-cpu target: ggml depends on every ggml-cpu-<variant> module
+        libs = [t for t in LIB_TARGETS if not (self.portable and t == "ggml-cpu")]
+        return libs + (["ggml-cuda"] if self.cuda else []) + TOOLS
 
 
 def _machine_identity(opts: BuildOptions) -> str:
     """-march=native code is only valid on this kind of CPU, so a native build's key names it."""
-    if not opts.native:
+    if not opts.native or opts.portable:
         return platform.machine()
     flags = ""
     try:
@@ -250,12 +258,14 @@ def tool_path(name: str) -> Path:
               "has none).")
 @click.option("--cuda-arch", default="auto", show_default=True,
               help=f"CMAKE_CUDA_ARCHITECTURES, e.g. 90; auto: native with a GPU, else {pcuda.DEFAULT_ARCHS}.")
-@click.option("--no-native", is_flag=True, help="Portable CPU code instead of -march=native.")
+@click.option("--no-native", is_flag=True, help="Baseline CPU code (ggml's defaults) instead of -march=native.")
+@click.option("--portable", is_flag=True, help="One CPU backend per instruction-set level (SSE4.2 to AVX-512 and "
+              "AMX), the best for the CPU chosen at run time: a build for several kinds of machine.")
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--no-install", is_flag=True, help="Build (or find in the cache) but do not install.")
 @click.option("--print-key", is_flag=True, help="Print the build key for these inputs and exit.")
 @click.option("--smoke-again", is_flag=True, help="Run the smoke test even if this build passed it here before.")
-def main(cuda, cuda_arch, no_native, cmake_args, no_install, print_key, smoke_again):
+def main(cuda, cuda_arch, no_native, portable, cmake_args, no_install, print_key, smoke_again):
     """Build (or reuse) the patched llama.cpp and install it into this environment."""
     try:
         cuda_args = ()
@@ -265,7 +275,8 @@ def main(cuda, cuda_arch, no_native, cmake_args, no_install, print_key, smoke_ag
                 raise SparqError("--cuda: nvcc not found (PATH, CUDACXX, /usr/local/cuda/bin); install the CUDA toolkit's "
                                  "compiler")
             cuda_args = tuple(pcuda.cmake_args(nvcc, cuda_arch, pcuda.fetch_cublas(nvcc)))
-        opts = BuildOptions(cuda_args=cuda_args, native=not no_native, extra_cmake_args=tuple(cmake_args))
+        opts = BuildOptions(cuda_args=cuda_args, native=not (no_native or portable), portable=portable,
+                            extra_cmake_args=tuple(cmake_args))
         if print_key:
             click.echo(build_key(opts))
             return

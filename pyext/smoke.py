@@ -113,7 +113,7 @@ def _failure(stage: str, what: str, rc: int | None, output: str, build, log_path
         how = f"failed (exit {rc})"
     tail = "\n".join(output.strip().splitlines()[-12:])
     portable = "" if not build.options.get("native", True) else (
-        "; if a CPU path of the native build is at fault, try portable code: "
+        "; if a CPU path of the native build is at fault, try baseline AVX2 code (no AVX-512, no AMX): "
         "`make setup BUILD_ARGS=--no-native` (or `python -m sparq_cpp.pyext.build --no-native`)")
     return SparqError(
         f"the new build {build.key} was run here before installing it, and stage '{stage}' ({what}) {how}. "

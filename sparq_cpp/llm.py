@@ -187,10 +187,24 @@ def _llama_class():
             self.attention = attention
             self._alisa_window = isinstance(attention, ALISA)  # the context keeps ALISA's window of past weights
 
+        def generate(self, tokens, *args, **kwargs):
+            self._prompt_next = True  # the next eval is this prompt's (what llama_cpp did not find cached)
+            return super().generate(tokens, *args, **kwargs)
+
         def eval(self, tokens) -> None:
             """llama_cpp's eval, which first removes the cached positions from n_tokens on. An ALISA context
             refuses to remove what its window cannot follow (the middle, or too much of the end): then the
-            kept tokens are processed again as a prompt, as llama-server does, before `tokens`."""
+            kept tokens are processed again as a prompt, as llama-server does, before `tokens`.
+
+            A prompt that was all cached but its last token (llama_cpp's prefix reuse re-evaluates that one for
+            its logits) is evaluated with the token before it, as one batch: alone it would be a sparse decode
+            step where the first time the prompt batch attended densely, and the same request would give
+            another text (llama-server does the same)."""
+            if getattr(self, "_prompt_next", False):
+                self._prompt_next = False
+                if len(tokens) == 1 and self.n_tokens > 0 and not isinstance(self.attention, Dense):
+                    self.n_tokens -= 1
+                    tokens = [int(self.input_ids[self.n_tokens]), *tokens]
             if self._alisa_window and not self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1):
                 keep = [int(t) for t in self.input_ids[: self.n_tokens]]
                 self._ctx.kv_cache_clear()

@@ -15,8 +15,9 @@ from sparq_cpp.bench.server_process import ServerProcess
 
 # ---- checks that must not be skipped ----------------------------------------------------------
 
-# The checks behind the README's claims. Each needs only what a fresh machine can install (.ci/run does):
-# a run that skips one of them fails, naming it and the reason. A GPU is the one thing a skip may wait for.
+# The checks behind the README's claims. Each needs only what a fresh machine can install (`make test` does,
+# as root: tools/test-prereqs.sh). Where CI is set a run that skips one of them fails, naming it and the
+# reason; elsewhere the skip is a notice in the summary. A GPU is the one thing a skip may wait for.
 REQUIRED_TESTS = (
     "tests/test_arm_op.py::test_kernel_compiles_for_aarch64",               # NEON body compiles on aarch64
     "tests/test_arm_op.py::test_neon_subset_matches_reference_on_aarch64",  # and runs right, under qemu
@@ -41,15 +42,25 @@ def pytest_collectreport(report):
         _required_skipped.append(f"{report.nodeid}: {reason}")
 
 
+def _ci() -> bool:
+    import os
+
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
 def pytest_terminal_summary(terminalreporter):
     if _required_skipped:
-        terminalreporter.section("required checks skipped")
+        if _ci():
+            terminalreporter.section("required checks skipped: the run fails (CI is set)")
+        else:
+            terminalreporter.section("notice: checks skipped for what this machine lacks (CI would fail here)")
+            terminalreporter.write_line("`make test` as root on Debian/Ubuntu installs it (tools/test-prereqs.sh)")
         for line in _required_skipped:
             terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _required_skipped and exitstatus == 0:
+    if _required_skipped and exitstatus == 0 and _ci():
         session.exitstatus = 1
 
 

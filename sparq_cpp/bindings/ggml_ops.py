@@ -25,6 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from sparq_cpp.bindings.cpu_backend import cpu_library
 from sparq_cpp.errors import SparqError
 
 # enum ggml_type (ggml.h)
@@ -111,8 +112,8 @@ class _Lib:
         mode = getattr(os, "RTLD_GLOBAL", 0)
         try:
             self.base = ctypes.CDLL(str(directory / "libggml-base.so"), mode=mode)
-            self.cpu = ctypes.CDLL(str(directory / "libggml-cpu.so"), mode=mode)
-        except OSError as e:
+            self.cpu = ctypes.CDLL(str(cpu_library(directory)[0]), mode=mode)
+        except (OSError, FileNotFoundError) as e:
             raise SparqError(f"cannot load ggml from {directory}: {e}") from e
         b, c = self.base, self.cpu
 
