@@ -3,6 +3,7 @@ report why it stopped, prompt and decode speed, and the KV-cache data the last s
 from __future__ import annotations
 
 import codecs
+import ctypes
 import sys
 import time
 from fractions import Fraction
@@ -124,11 +125,11 @@ def report_choice(llm, attention, path, projection=None) -> None:
         click.echo(f"warning: {warning}", err=True)
 
 
-def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
-    """The prompt's tokens through the model's own chat template (llama-cpp-python's Jinja2 formatter, as its
-    create_chat_completion uses it), and the template's name for the report."""
+def _chat_prompt(llm, text: str, system: str | None, template: str | None = None) -> tuple[list[int], str]:
+    """The prompt's tokens through the model's own chat template, or `template` (llama-cpp-python's Jinja2
+    formatter, as its create_chat_completion uses it), and the formatted prompt."""
     Jinja2ChatFormatter = lazy.llama_cpp("llama_chat_format").Jinja2ChatFormatter
-    template = llm.metadata["tokenizer.chat_template"]
+    template = template if template is not None else llm.metadata["tokenizer.chat_template"]
     eos, bos = llm.token_eos(), llm.token_bos()
     formatter = Jinja2ChatFormatter(template=template,
                                     eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
@@ -155,22 +156,47 @@ def _chat_prompt(llm, text: str, system: str | None) -> tuple[list[int], str]:
 @click.option("--system-prompt", "-sys", "--system", "system", default=None, help="Chat: a system message first.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
               help="Most tokens to generate; -1: until an end-of-generation token or a full context.")
-@click.option("--ctx-size", "-c", type=int, default=None,
-              help="Context size (default: 4096, or the model's training context if that is shorter).")
+@click.option("--ctx-size", "-c", type=click.IntRange(min=0), default=None,
+              help="Context size; 0: the model's training context (default: 4096, or the model's training context "
+                   "if that is shorter).")
 @click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
-@click.option("--seed", "-s", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--threads-batch", "-tb", type=threads_type(), default=None,
+              help="Threads for the prompt (default: as --threads).")
+@click.option("--gpu-layers", "-ngl", "--n-gpu-layers", "gpu_layers", type=int, default=None,
+              help="Layers to offload to the GPU (a CUDA build; on a CPU-only build nothing is offloaded).")
+@click.option("--parallel", "-np", "parallel", type=click.IntRange(min=1), default=None,
+              help="Accepted as in llama.cpp; generate decodes one sequence (serve's -np sets slots).")
+@click.option("--seed", "-s", type=int, default=-1, show_default=True, help="Sampling seed; -1: a random one.")
 @click.option("--temp", "--temperature", "temp", type=FiniteFloatRange(min=0), default=0.8, show_default=True,
               help="Sampling temperature; 0 is greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True,
               help="Sampling: the k most likely tokens; 0 = all. (Sparse attention's k is --sparse-k.)")
 @click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=0.95, show_default=True,
               help="Sample from the most likely tokens whose probabilities add up to p, in (0, 1].")
+@click.option("--min-p", type=FiniteFloatRange(0, 1), default=0.05, show_default=True,
+              help="Sampling: drop tokens less likely than min-p times the most likely one; 0 = off.")
+@click.option("--repeat-penalty", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Penalize repeated tokens (of the last 64); 1.0 = off.")
+@click.option("--grammar", default=None, help="GBNF grammar the output must follow.")
+@click.option("--grammar-file", default=None, type=click.Path(dir_okay=False), help="Read the GBNF grammar from a file.")
+@click.option("--json-schema", "-j", "json_schema", default=None,
+              help="JSON schema the output must follow (e.g. '{}' for any JSON object).")
+@click.option("--reverse-prompt", "-r", "reverse_prompt", multiple=True,
+              help="Stop when the output ends with this text (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Never stop at an end-of-generation token (they are not sampled).")
+@click.option("--chat-template", default=None, help="A Jinja chat template used instead of the model's own.")
+@click.option("--chat-template-file", default=None, type=click.Path(dir_okay=False),
+              help="Read the Jinja chat template from a file.")
+@click.option("--jinja", is_flag=True, hidden=True, help="Accepted as in llama.cpp: chat templates are Jinja here.")
+@click.option("--display-prompt/--no-display-prompt", default=True, show_default=True,
+              help="Print the raw prompt before its continuation (--no-chat).")
 @cache_type_options
 @flash_attn_option
 @attention_options
-def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, seed, temp, top_k, top_p,
-            cache_type_k, cache_type_v, cache_type, flash_attn, attn, ratio, r, d, k, l, sink, no_mean_value, loki_pca,
-            loki_variant, c):
+def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, threads_batch, gpu_layers, parallel,
+            seed, temp, top_k, top_p, min_p, repeat_penalty, grammar, grammar_file, json_schema, reverse_prompt,
+            ignore_eos, chat_template, chat_template_file, jinja, display_prompt, cache_type_k, cache_type_v,
+            cache_type, flash_attn, attn, ratio, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c):
     """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
     models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
     the last step read against dense."""
@@ -184,21 +210,33 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     fa = flash_attn_for(flash_attn, attention)
     if system is not None and chat is False:
         raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")
+    grammar_text = _grammar_text(grammar, grammar_file, json_schema)
+    template = _template_text(chat_template, chat_template_file)
     if ctx_size is None:
         ctx_size = min(4096, check_gguf(path).n_ctx_train or 4096)
+    elif ctx_size == 0:  # llama.cpp: the model's own context
+        ctx_size = check_gguf(path).n_ctx_train or 4096
+    if parallel is not None and parallel > 1:
+        click.echo(f"note    -np {parallel}: generate decodes one sequence (serve -np sets slots)", err=True)
     llm, summary = open_model(path, attention=attention, n_ctx=ctx_size, n_threads=threads, seed=seed,
-                              cache_type_k=type_k, cache_type_v=type_v,
+                              cache_type_k=type_k, cache_type_v=type_v, n_threads_batch=threads_batch,
+                              n_gpu_layers=gpu_layers,
                               flash_attn=fa != "off")  # llama-cpp-python takes on or off: auto is on
+    if gpu_layers and not _gpu_devices():
+        click.echo(f"note    -ngl {gpu_layers}: this build has no GPU backend, nothing is offloaded", err=True)
     report_choice(llm, attention, path, loki_pca)
     attention = llm.attention  # auto: what it resolved to
-    has_template = "tokenizer.chat_template" in llm.metadata
+    has_template = template is not None or "tokenizer.chat_template" in llm.metadata
     if chat and not has_template:
-        raise SparqError(f"{path.name} has no chat template (tokenizer.chat_template); use --no-chat")
+        raise SparqError(f"{path.name} has no chat template (tokenizer.chat_template); use --no-chat or give one "
+                         "(--chat-template)")
     chat = has_template if chat is None else chat
     if system is not None and not chat:
         raise SparqError(f"--system-prompt needs chat mode, and {path.name} has no chat template")
+    if template is not None and not chat:
+        raise SparqError("--chat-template is for chat mode; drop it or drop --no-chat")
     if chat:
-        tokens, _ = _chat_prompt(llm, DEFAULT_CHAT_PROMPT if text is None else text, system)
+        tokens, _ = _chat_prompt(llm, DEFAULT_CHAT_PROMPT if text is None else text, system, template)
     else:
         text = DEFAULT_PROMPT if text is None else text
         tokens = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
@@ -210,8 +248,12 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
         raise SparqError(f"the prompt is {len(tokens)} tokens, which leaves no room in --ctx-size {ctx_size}")
 
     out = _Utf8Stream(sys.stdout)
-    if not chat:  # the raw text is continued, so it is shown; a chat shows only the answer
+    if not chat and display_prompt:  # the raw text is continued, so it is shown; a chat shows only the answer
         out.write(text.encode("utf-8"))
+    # one sampler for the whole answer: a grammar and the repeat penalty follow the tokens it has produced
+    llm._sampler = llm._init_sampler(top_k=top_k, top_p=top_p, min_p=min_p, temp=temp, repeat_penalty=repeat_penalty,
+                                     logits_processor=_no_eog(llm) if ignore_eos else None,
+                                     grammar=_grammar(llm, grammar_text) if grammar_text else None)
     t0 = time.perf_counter()
     llm.eval(tokens)
     t_prompt = time.perf_counter() - t0
@@ -221,19 +263,27 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     generated, t_decode, prev = 0, 0.0, tokens[-1:]
     budget = limit if n_predict == -1 else n_predict
     stop = f"-n {n_predict} reached" if n_predict != -1 else f"context full (--ctx-size {ctx_size})"
+    answer = ""
     while generated < budget:
-        tok = llm.sample(temp=temp, top_k=top_k, top_p=top_p) if temp > 0 else _greedy(llm)
-        if llama_cpp.llama_vocab_is_eog(vocab, tok):  # EOS and every other end of generation (<|eot_id|>, <|im_end|>)
+        tok = llm.sample()
+        if llama_cpp.llama_vocab_is_eog(vocab, tok) and not ignore_eos:  # EOS and every other end of generation (<|eot_id|>, <|im_end|>)
             what = ("EOS" if tok == llm.token_eos() else "end of turn" if tok == llama_cpp.llama_vocab_eot(vocab)
                     else "end of generation")
             stop = f"{what} ({llm._model.token_get_text(tok)})"
             break
-        out.write(llm.detokenize([tok], prev_tokens=prev))
+        piece = llm.detokenize([tok], prev_tokens=prev)
+        out.write(piece)
         prev = [tok]
         generated += 1
         t1 = time.perf_counter()
         llm.eval([tok])
         t_decode += time.perf_counter() - t1
+        if reverse_prompt:
+            answer = (answer + piece.decode("utf-8", errors="replace"))[-4096:]
+            hit = next((rp for rp in reverse_prompt if answer.endswith(rp)), None)
+            if hit is not None:
+                stop = f"reverse prompt {hit!r}"
+                break
     out.write(b"", final=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -241,32 +291,120 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     if chat:
         click.echo("chat    the model's chat template; --no-chat continues raw text instead", err=True)
     _report(summary, len(tokens), t_prompt, generated, t_decode, llm)
-    _report_reads(llm, summary, llm.n_tokens)
+    _report_reads(llm, summary, llm.n_tokens, generated)
 
 
-def _report_reads(llm, summary, n_kv):
-    """Attention data the last step read, against dense, from docs/spec.md's transfer formulas."""
+def step_reads(attention, summary, n_kv: int, cache_type: str) -> tuple[float, float, str]:
+    """(bytes the step's attention read, bytes dense attention reads, how the layers split) at n_kv cached
+    positions. Sliding-window layers (Gemma 3, ...) stay dense over at most their window in every mode;
+    the sparse setting reads less only in the full-attention layers."""
+    window = summary.swa_layers or ()
+    n_swa_layers = sum(bool(w) for w in window)
+    n_full = summary.n_layer - n_swa_layers
+    d = summary.head_dim
+    swa = Dense().reads(min(n_kv, summary.n_swa or n_kv), d, cache_type) * n_swa_layers * summary.n_head_kv
+    used = attention.reads(n_kv, d, cache_type) * n_full * summary.n_head_kv + swa
+    dense = Dense().reads(n_kv, d, cache_type) * n_full * summary.n_head_kv + swa
+    split = (f"; {n_swa_layers} of {summary.n_layer} layers slide over a window of {summary.n_swa} and read it whole"
+             if n_swa_layers else "")
+    return used, dense, split
+
+
+def _report_reads(llm, summary, n_kv, n_steps):
+    """Attention data the last decode step read, against dense, from docs/spec.md's transfer formulas."""
     name = llm.attention.name
+    if n_steps < 1:
+        click.echo("attn    no decode step ran: nothing to report", err=True)
+        return
     if llm.cache_type is None:
         click.echo(f"attn    {name}: reads are modelled for one cache type, not -ctk {llm.cache_type_k} with "
                    f"-ctv {llm.cache_type_v}", err=True)
         return
-    heads = summary.n_layer * summary.n_head_kv
-    dense = Dense().reads(n_kv, summary.head_dim, llm.cache_type) * heads
-    used = llm.attention.reads(n_kv, summary.head_dim, llm.cache_type) * heads
+    used, dense, split = step_reads(llm.attention, summary, n_kv, llm.cache_type)
     if isinstance(llm.attention, Dense):
-        click.echo(f"attn    dense: the last step read {dense / 1e6:.2f} MB of KV cache at n_kv={n_kv}", err=True)
+        click.echo(f"attn    dense: the last step read {dense / 1e6:.2f} MB of KV cache at n_kv={n_kv}{split}", err=True)
     elif used < dense:
         click.echo(f"attn    {name}: the last step read {used / 1e6:.2f} MB of KV cache, dense reads "
-                   f"{dense / 1e6:.2f} MB at n_kv={n_kv} ({used / dense:.3f} of dense)", err=True)
+                   f"{dense / 1e6:.2f} MB at n_kv={n_kv} ({used / dense:.3f} of dense){split}", err=True)
     else:  # too few positions for a sparse step to save anything: its ranking is extra work on top of them all
         click.echo(f"attn    {name}: the last step read {used / 1e6:.2f} MB of KV cache, dense reads {dense / 1e6:.2f} MB "
                    f"at n_kv={n_kv}: it read every position and ranked them too, so {name} saves nothing until the "
-                   "cache is well above what it attends to", err=True)
+                   f"cache is well above what it attends to{split}", err=True)
 
 
-def _greedy(llm):
-    return llm.sample(top_k=1, top_p=1.0, min_p=0.0, temp=0.0)
+def _grammar_text(grammar, grammar_file, json_schema) -> str | None:
+    """The GBNF grammar from --grammar, --grammar-file or --json-schema (one of them)."""
+    given = [g for g in (grammar, grammar_file, json_schema) if g is not None]
+    if len(given) > 1:
+        raise SparqError("give one of --grammar, --grammar-file and --json-schema")
+    if grammar_file is not None:
+        try:
+            return Path(grammar_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SparqError(f"--grammar-file {grammar_file}: {e}") from None
+    if json_schema is not None:
+        import json
+
+        try:
+            json.loads(json_schema)
+        except ValueError as e:
+            raise SparqError(f"--json-schema is not JSON: {e}") from None
+        from_schema = lazy.llama_cpp("llama_grammar").json_schema_to_gbnf
+        try:
+            return from_schema(json_schema)
+        except Exception as e:  # the converter raises whatever the schema trips
+            raise SparqError(f"--json-schema: {e}") from None
+    return grammar
+
+
+def _grammar(llm, text: str):
+    """The grammar for the sampler, parsed once here: llama.cpp returns no sampler for one it cannot parse,
+    and a chain without it would sample freely."""
+    llama_cpp = lazy.llama_cpp()
+    probe = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, text.encode("utf-8"), b"root")
+    if not probe:
+        raise SparqError("the grammar does not parse (GBNF with a `root` rule; llama.cpp's log says where)")
+    llama_cpp.llama_sampler_free(probe)
+    return lazy.llama_cpp("llama_grammar").LlamaGrammar.from_string(text, verbose=False)
+
+
+def _gpu_devices() -> int:
+    """GPU devices ggml registered (CUDA, ...); RPC servers count only once added with --rpc."""
+    lib = lazy.llama_cpp("llama_cpp")._lib
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    gpu_types = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+    return sum(lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) in gpu_types
+               for i in range(lib.ggml_backend_dev_count()))
+
+
+def _template_text(chat_template, chat_template_file) -> str | None:
+    if chat_template is not None and chat_template_file is not None:
+        raise SparqError("give --chat-template or --chat-template-file, not both")
+    if chat_template_file is not None:
+        try:
+            return Path(chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SparqError(f"--chat-template-file {chat_template_file}: {e}") from None
+    return chat_template
+
+
+def _no_eog(llm):
+    """A logits processor that makes every end-of-generation token impossible (--ignore-eos)."""
+    import numpy as np
+
+    llama_cpp = lazy.llama_cpp()
+    vocab = llm._model.vocab
+    eog = np.array([t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
+
+    def processor(input_ids, scores):
+        scores[eog] = -np.inf
+        return scores
+
+    return lazy.llama_cpp("llama").LogitsProcessorList([processor])
 
 
 def _report(summary, n_prompt, t_prompt, n_gen, t_decode, llm):

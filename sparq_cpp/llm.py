@@ -283,13 +283,16 @@ def __getattr__(name):  # `from sparq_cpp.llm import Llama` gives the class itse
 
 def open_model(path, *, attention=None, n_ctx: int = 4096, n_threads: int | None = None, seed: int = 0,
                cache_type: str | None = None, n_batch: int = 512, logits_all: bool = False,
-               flash_attn: bool = True, cache_type_k: str | None = None, cache_type_v: str | None = None):
-    """A checked Llama for `path`: (llm, summary)."""
+               flash_attn: bool = True, cache_type_k: str | None = None, cache_type_v: str | None = None,
+               n_threads_batch: int | None = None, n_gpu_layers: int | None = None):
+    """A checked Llama for `path`: (llm, summary). seed -1: a random one (llama.cpp's LLAMA_DEFAULT_SEED)."""
     if n_ctx < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {n_ctx}")
     n_threads = check_threads(default_threads() if n_threads is None else n_threads)
+    n_threads_batch = n_threads if n_threads_batch is None else check_threads(n_threads_batch, "--threads-batch")
+    extra = {} if n_gpu_layers is None else {"n_gpu_layers": n_gpu_layers}
     llm = llama_class()(path, attention, cache_type=cache_type, type_k=cache_type_k, type_v=cache_type_v,
                 n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
-                n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads,
-                seed=seed, flash_attn=flash_attn, logits_all=logits_all)
+                n_ubatch=min(n_batch, n_ctx), n_threads=n_threads, n_threads_batch=n_threads_batch,
+                seed=0xFFFFFFFF if seed == -1 else seed, flash_attn=flash_attn, logits_all=logits_all, **extra)
     return llm, llm.summary
