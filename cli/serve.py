@@ -87,7 +87,7 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
         check_sparse(summary, display_name(attention))
     attention.check(summary.head_dim)
     if isinstance(attention, Loki):
-        check_loki_projection(attention, path)
+        attention = check_loki_projection(attention, path)
     if isinstance(attention, ALISA):
         check_alisa(path)
     if not 1 <= port <= 65535:
@@ -153,8 +153,16 @@ def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_
         check_sparse(summary, "auto")
         if parallel < 1:
             raise SparqError(f"--parallel must be >= 1, got {parallel}")
-        attention, why = resolve(attention, path, summary, max(1, server_ctx(summary, ctx_size, parallel) // parallel))
+        n_ctx = server_ctx(summary, ctx_size, parallel)
+        # a unified cache (-kvu after --) lets one request fill all of -c; otherwise a slot has its share
+        unified = any(a in ("-kvu", "--kv-unified") for a in server_args)
+        n_ctx_seq = n_ctx if unified or parallel == 1 else max(1, n_ctx // parallel)
+        attention, why = resolve(attention, path, summary, n_ctx_seq)
         click.echo(why, err=True)
+        click.echo(f"sparse attention auto: n_ctx={n_ctx_seq} is " + (
+            "the context of the one slot" if parallel == 1 else
+            "what one request may fill of the unified cache" if unified else
+            f"each of {parallel} slots' share of -c {n_ctx}"), err=True)
     else:
         warning = known_poor(attention, path, summary, loki_pca)
         if warning:

@@ -5,7 +5,9 @@ attention of the patch series switched on; `open_model` is the checked way the C
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparq_cpp import auto, lazy, system
@@ -13,7 +15,7 @@ from sparq_cpp.attention import ALISA, Attention, Auto, Dense, Loki, SparQ, pars
 from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse, swa_layers
-from sparq_cpp.projection import read_projection
+from sparq_cpp.projection import default_projection, read_projection
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # name -> ggml type number (llama-cpp-python's type_k/type_v)
 CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
@@ -64,19 +66,28 @@ def display_name(attention) -> str:
     return {"sparq": "SparQ", "loki": "Loki", "alisa": "ALISA"}.get(attention.name, attention.name)
 
 
-def check_loki_projection(attention: Loki, model_path) -> None:
-    """The projection exists, is readable and was made for this very model file (its fingerprint), or
-    the model has one embedded; checked here because llama.cpp can only compare shapes and names."""
+def check_loki_projection(attention: Loki, model_path) -> Loki:
+    """The setting with the projection it will use: the one given, which must exist, be readable and have been
+    made for this very model file (its fingerprint); else the model's embedded one; else `<model stem>.loki.gguf`
+    next to the model (what `sparq-cpp calibrate` writes). Checked here because llama.cpp can only compare shapes
+    and names."""
     if attention.projection is not None:
         read_projection(attention.projection, model_path=model_path, variant=attention.variant)
-        return
+        return attention
     try:
         read_projection(model_path, variant=attention.variant)
+        return attention
     except SparqError as e:
-        why = "has none embedded" if "no loki.version key" in str(e) else f"has no usable one embedded ({e})"
-        raise SparqError(f"Loki needs a projection: {model_path} {why}; make one with `sparq-cpp calibrate` "
-                         "(it writes <model stem>.loki.gguf next to the model, where generate and serve look "
-                         "first) or pass one (--loki-pca FILE / Loki(projection=FILE))") from None
+        embedded_error = e
+    beside = default_projection(model_path)
+    if Path(beside).is_file():
+        read_projection(beside, model_path=model_path, variant=attention.variant)
+        return dataclasses.replace(attention, projection=str(beside))
+    why = "has none embedded" if "no loki.version key" in str(embedded_error) else \
+        f"has no usable one embedded ({embedded_error})"
+    raise SparqError(f"Loki needs a projection: {model_path} {why} and there is no {beside}; make one with "
+                     "`sparq-cpp calibrate` (it writes <model stem>.loki.gguf next to the model) or pass one "
+                     "(--loki-pca FILE / Loki(projection=FILE))") from None
 
 
 def check_alisa(model_path) -> None:
@@ -165,7 +176,7 @@ def _llama_class():
             kwargs.setdefault("verbose", False)
             kwargs.update(type_k=CACHE_TYPES[type_k], type_v=CACHE_TYPES[type_v])
             if isinstance(attention, Loki):
-                check_loki_projection(attention, model_path)
+                attention = check_loki_projection(attention, model_path)
             if isinstance(attention, ALISA):
                 check_alisa(model_path)
                 n_ctx = kwargs.get("n_ctx", 512) or summary.n_ctx_train

@@ -163,7 +163,7 @@ def test_loki_finds_the_projection_calibrate_wrote(tiny, tmp_path):
     text.write_text(calibration_text())
     # no projection yet: the error names the file looked for, and calibrate
     assert_one_line_error(run_cli("generate", "-m", str(model), "--loki-d", "16", "-n", "2"), "needs a projection",
-                          "has none embedded;", "sparq-cpp calibrate")
+                          "has none embedded and there is no", "sparq-cpp calibrate")
     proc = run_cli("calibrate", "-m", str(model), "--text", str(text), "--tokens", "1024", "-c", "256", "-t", "1")
     assert proc.returncode == 0 and f"wrote {tmp_path / 'm.loki.gguf'}" in proc.stderr, proc.stderr
     proc = run_cli("generate", "-m", str(model), "--loki-d", "16", "--sparse-k", "32", "-n", "2", "-t", "1")

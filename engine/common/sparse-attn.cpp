@@ -411,7 +411,7 @@ static int64_t sa_largest_k(bool sparq, double target, int64_t n, int64_t D, int
     return (int64_t) sa_floordiv(budget - (double) (r1 - slope), (double) slope);
 }
 
-static std::string sa_default_calibration(const std::string & model_path) {
+std::string common_sparse_attn_default_projection(const std::string & model_path) {
     const std::filesystem::path p(model_path);
     return (p.parent_path() / (p.stem().string() + ".loki.gguf")).string();
 }
@@ -439,7 +439,7 @@ bool common_sparse_attn_auto_resolve(
                         std::string & proj,
                         std::string & why,
                         std::string & err) {
-    const std::string path = req.proj.empty() ? sa_default_calibration(model_path) : req.proj;
+    const std::string path = req.proj.empty() ? common_sparse_attn_default_projection(model_path) : req.proj;
     std::error_code ec;
     if (!std::filesystem::is_regular_file(path, ec)) {
         err = "--sparse-attn auto chooses from a calibration of the model, and " + path + " does not exist: "
@@ -528,4 +528,20 @@ bool common_sparse_attn_auto_resolve(
     why += string_format(" (calibration %s, %u windows%s)", std::filesystem::path(path).filename().string().c_str(),
             fid.windows, fid.held_out ? "" : ", the calibration text itself");
     return true;
+}
+
+std::string common_sparse_attn_describe(const llama_sparse_attn_params & p) {
+    const int32_t l = p.l >= 0 ? p.l : p.k / 4;
+    switch (p.mode) {
+        case LLAMA_SPARSE_ATTN_SPARQ:
+            return string_format("sparq (r = %d, k = %d, l = %d, sink = %d, mean value %s%s)", p.r, p.k, l, p.sink,
+                                 p.mean_value ? "on" : "off", p.sparse_prompt ? ", sparse prompt" : "");
+        case LLAMA_SPARSE_ATTN_LOKI:
+            return string_format("loki (d = %d, k = %d, l = %d, sink = %d%s%s)", p.d, p.k, l, p.sink,
+                                 p.loki_proj ? ", projection " : "", p.loki_proj ? p.loki_proj : "");
+        case LLAMA_SPARSE_ATTN_ALISA:
+            return string_format("alisa (c = %g)", p.c);
+        default:
+            return "dense";
+    }
 }

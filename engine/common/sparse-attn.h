@@ -36,3 +36,10 @@ bool common_sparse_attn_auto_resolve(
                         std::string & proj,
                         std::string & why,
                         std::string & err);
+
+// <model stem>.loki.gguf next to the model: where `sparq-cpp calibrate` writes a model's Loki projection
+std::string common_sparse_attn_default_projection(const std::string & model_path);
+
+// one line naming a context's setting, as the tools log it: "sparq (r = 16, k = 128, l = 32, sink = 0, mean value on)";
+// l = -1 (the default) is shown as the k/4 it stands for
+std::string common_sparse_attn_describe(const llama_sparse_attn_params & p);
