@@ -57,7 +57,8 @@ def fidelity_table(fid: dict, path) -> str:
     f = Fidelity.of(fid, path)
     lines = [f"attention output error and mass kept at {fid['ctx']} positions (means over layers {fid['layers']}), "
              "bits per character lost end to end on text and on a retrieval; * = --attn auto",
-             "ratio  method  rank      k      l sink  error  exact   mass  exact    text    copy"]
+             "error, mass: the setting's; topk_*: exact top-k at the same k; text, copy: bits per character over dense",
+             "ratio  method  rank      k      l sink  error topk_e   mass topk_m    text    copy"]
     for t in sorted(set(f.ratio), reverse=True):
         idx = [i for i in range(len(f.method)) if f.ratio[i] == t]
         best = choose(f, t)
@@ -68,6 +69,10 @@ def fidelity_table(fid: dict, path) -> str:
                                                           f.mean_mass(i), float(f.exact_mass[i].mean())))
                          + (f" {probed}" if probed else "") + (" *" if i == best else ""))
     return "\n".join(lines)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _table(pca) -> str:
@@ -100,10 +105,13 @@ def _table(pca) -> str:
 @click.option("--probe/--no-probe", default=True, show_default=True,
               help="With --fidelity: also run the best setting of each method per ratio end to end on the text (bits "
                    "per character lost on ordinary text and on a repeated paragraph); --attn auto prefers it.")
+@click.option("--probe-samples", type=click.IntRange(1, 16), default=2, show_default=True,
+              help="Text windows and retrievals (each of --ctx-size tokens) the probe runs every setting on.")
 @click.option("--figure", default=None, metavar="PNG",
               help="Also write the Loki paper's Figure 2 for this model (PNG; needs matplotlib, the [plot] extra).")
 @progress_option
-def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fidelity_windows, probe, figure, progress):
+def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fidelity_windows, probe, probe_samples,
+            figure, progress):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
@@ -117,13 +125,26 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
         check_writable(figure, "--figure")
         lazy.need("matplotlib", "--figure")  # now, not after the run
     text = _read_texts(texts)
+    stages = 1 + fidelity + (fidelity and probe)
+
+    def stage(i, what):
+        click.echo(f"[{i}/{stages}] {what}", err=True)
 
     t0 = time.perf_counter()
     pca = calibrate(model, text, n_tokens=n_tokens, ctx_size=ctx_size, n_threads=threads,
                     progress=progress_enabled(progress))
     seconds = time.perf_counter() - t0
+    rate = pca.n_tokens / seconds if seconds > 0 else 0.0
+    stage(1, f"fitted the PCA bases on {pca.n_tokens} tokens in {seconds:.1f} s ({rate:.0f} tokens/s)")
+    if fidelity and rate > 0:
+        # in units of the fit's speed, from one run (SmolLM2-135M, -t 1: fit 16384 tokens in 71 s, fidelity on
+        # 4 windows of 2048 in 522 s, probe of 2 + 2 samples in 160 s): the fidelity costs about 15 fit-tokens per
+        # window token (every candidate's selection), the probe about 4.5 per sample token (each setting and dense)
+        est = fidelity_windows * ctx_size * 15 / rate + (probe_samples * 2 * ctx_size * 4.5 / rate if probe else 0)
+        click.echo(f"        the rest will take about {_minutes(est)} at this speed", err=True)
     fid = None
     if fidelity:
+        stage(2, f"measuring SparQ's and Loki's fidelity at 1/4, 1/8, 1/16 on {fidelity_windows} windows")
         t1 = time.perf_counter()
         fid = measure_budget(model, text, basis=pca.components["post"], skip_tokens=pca.n_tokens, S=ctx_size,
                              n_windows=fidelity_windows, n_threads=threads, log=lambda m: click.echo(m, err=True))
@@ -134,11 +155,13 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
         if probe:
             t2 = time.perf_counter()
             idx = pick(fid)
+            stage(3, f"probing {len(idx)} settings end to end on {probe_samples} text windows and "
+                     f"{probe_samples} retrievals")
             try:
                 with tempfile.TemporaryDirectory() as tmp:  # the basis the Loki runs read, before the output exists
                     basis = write_projection(Path(tmp) / "probe.loki.gguf", pca, model, ctx_size=ctx_size)
                     fid["probe"] = run_probe(model, str(basis), text, fid["candidates"], idx, S=ctx_size,
-                                             skip_tokens=pca.n_tokens, n_threads=threads,
+                                             skip_tokens=pca.n_tokens, n_threads=threads, n_samples=probe_samples,
                                              log=lambda m: click.echo(m, err=True))
                 click.echo(f"probed {len(idx)} settings end to end in {time.perf_counter() - t2:.1f} s", err=True)
             except SparqError as e:  # the layer errors still stand; auto then chooses by them
