@@ -1,0 +1,42 @@
+"""The thread-waiting benchmark runs every configuration as a generate child and records what it measured."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("llama_cpp")
+from sparq_cpp.bench import thread_wait  # noqa: E402
+from sparq_cpp.demo_model import default_model  # noqa: E402
+
+
+def test_quiet_and_loaded_rows_with_the_cpu(tmp_path):
+    out = tmp_path / "tw.json"
+    res = CliRunner().invoke(thread_wait.main, ["-m", str(default_model(lambda *_: None)), "--repeats", "1",
+                                                "--policies", "passive", "--n-predict", "4", "--prompt-words", "90",
+                                                "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["cpu_model"] and doc["threads"] == 2
+    got = {(r["load"], r["mode"], r["policy"]) for r in doc["rows"]}
+    assert got == {(load, mode, "passive") for load in ("quiet", "loaded") for mode in ("dense", "sparq")}
+    assert all(r["median_ms"] > 0 for r in doc["rows"])
+
+
+def test_a_policy_reaches_the_child(monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["policy"] = env.get("OMP_WAIT_POLICY")
+
+        class P:
+            returncode, stderr = 0, "decode      10 tokens in   0.050 s"
+        return P()
+
+    monkeypatch.setattr(thread_wait.subprocess, "run", fake_run)
+    assert thread_wait.decode_ms("m", [], "passive", 2, 10, "p", 10) == pytest.approx(5.0)
+    assert seen["policy"] == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    thread_wait.decode_ms("m", [], "unset", 2, 10, "p", 10)
+    assert seen["policy"] is None
