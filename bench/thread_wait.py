@@ -23,6 +23,7 @@ import time
 import click
 
 from sparq_cpp.bench import machine
+from sparq_cpp.cli.options import resolve_model
 from sparq_cpp.outfile import atomic_write
 
 POLICIES = ("unset", "active", "passive")
@@ -86,8 +87,6 @@ def decode_ms(model: str, attention: list[str], policy: str, threads: int, n_pre
 @click.option("--json", "json_out", default=None, metavar="FILE")
 def main(model, threads, repeats, n_predict, prompt_words, policies, timeout, json_out):
     """Decode speed per OpenMP wait policy, quiet and loaded, dense and SparQ."""
-    from sparq_cpp.cli.options import resolve_model
-
     model = str(resolve_model(model))
     prompt = " ".join(["the quiet house stood by the river and the people came and went all day"] * (prompt_words // 15))
     modes = {"dense": [], "sparq": ["--sparq-r", "16", "--sparse-k", "64"]}

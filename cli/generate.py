@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import json
 import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 
 import click
+import numpy as np
 
 from sparq_cpp import lazy
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ
@@ -291,7 +293,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     if chat:
         click.echo("chat    the model's chat template; --no-chat continues raw text instead", err=True)
     _report(summary, len(tokens), t_prompt, generated, t_decode, llm)
-    _report_reads(llm, summary, llm.n_tokens, generated)
+    report_reads(llm, summary, llm.n_tokens, generated)
 
 
 def step_reads(attention, summary, n_kv: int, cache_type: str) -> tuple[float, float, str]:
@@ -310,7 +312,7 @@ def step_reads(attention, summary, n_kv: int, cache_type: str) -> tuple[float, f
     return used, dense, split
 
 
-def _report_reads(llm, summary, n_kv, n_steps):
+def report_reads(llm, summary, n_kv, n_steps):
     """Attention data the last decode step read, against dense, from docs/spec.md's transfer formulas."""
     name = llm.attention.name
     if n_steps < 1:
@@ -343,8 +345,6 @@ def _grammar_text(grammar, grammar_file, json_schema) -> str | None:
         except (OSError, UnicodeDecodeError) as e:
             raise SparqError(f"--grammar-file {grammar_file}: {e}") from None
     if json_schema is not None:
-        import json
-
         try:
             json.loads(json_schema)
         except ValueError as e:
@@ -394,8 +394,6 @@ def _template_text(chat_template, chat_template_file) -> str | None:
 
 def _no_eog(llm):
     """A logits processor that makes every end-of-generation token impossible (--ignore-eos)."""
-    import numpy as np
-
     llama_cpp = lazy.llama_cpp()
     vocab = llm._model.vocab
     eog = np.array([t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)

@@ -22,6 +22,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from sparq_cpp import llm
 from sparq_cpp.errors import SparqError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -59,12 +60,11 @@ def _signal_name(rc: int) -> str:
 def run_stage(name: str) -> None:
     """One Python stage, in this process: the model loaded with the stage's attention, the prompt evaluated
     as one batch, N_PREDICT greedy tokens."""
-    from sparq_cpp.llm import Llama
-
+    Llama = llm.llama_class()
     spec = dict((s, a) for s, _, a in PY_STAGES)[name]
-    llm = Llama(str(DEMO_MODEL), attention=spec, n_ctx=1024, n_batch=1024, n_threads=min(4, os.cpu_count() or 1))
-    n_prompt = len(llm.tokenize(PROMPT.encode()))
-    out = llm(PROMPT, max_tokens=N_PREDICT, temperature=0.0)
+    model = Llama(str(DEMO_MODEL), attention=spec, n_ctx=1024, n_batch=1024, n_threads=min(4, os.cpu_count() or 1))
+    n_prompt = len(model.tokenize(PROMPT.encode()))
+    out = model(PROMPT, max_tokens=N_PREDICT, temperature=0.0)
     n_out = out["usage"]["completion_tokens"]
     if n_out < 1:
         raise SystemExit(f"{name}: no token generated")

@@ -3,12 +3,13 @@ every mode, so on Gemma 3-like models the saving is that of the full-attention l
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import run_cli
 from sparq_cpp.attention import Dense, SparQ
-from sparq_cpp.cli.generate import step_reads
+from sparq_cpp.cli.generate import report_reads, step_reads
 from sparq_cpp.gguf_check import check_gguf
 from sparq_cpp.modelfactory import write_model
 
@@ -49,11 +50,7 @@ def test_footer_of_generate(iswa):
 
 def test_no_decode_step_no_reads(iswa, capsys):
     """The first token sampled ends the text (EOS): no decode step ran, so no step's reads are reported."""
-    from types import SimpleNamespace
-
-    from sparq_cpp.cli.generate import _report_reads
-
     llm = SimpleNamespace(attention=SparQ(r=8, k=16), cache_type="f16")
-    _report_reads(llm, check_gguf(iswa), 150, 0)
+    report_reads(llm, check_gguf(iswa), 150, 0)
     err = capsys.readouterr().err
     assert "no decode step ran" in err and "the last step read" not in err

@@ -3,6 +3,8 @@ forward pass with the Loki kernel, the rotated cache survives cache edits (K-shi
 embedded projection loads, and bad settings give clear errors."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -144,8 +146,12 @@ def test_embedded_projection_loads_and_matches_the_file(models, tmp_path):
 def test_bad_settings_are_refused(models, tmp_path):
     path, proj, _ = models["tiny"]
     _, gqa_proj, _ = models["tiny-gqa"]
-    with pytest.raises(SparqError, match="needs a projection"):
-        Llama(path, Loki(d=8))
+    # no projection given: the one calibrate wrote next to the model, else an error naming where it looked
+    assert Llama(path, Loki(d=8), n_ctx=64).attention.projection == str(proj)
+    alone = tmp_path / "alone.gguf"
+    shutil.copy(path, alone)
+    with pytest.raises(SparqError, match=f"needs a projection: .* there is no {tmp_path / 'alone.loki.gguf'}"):
+        Llama(alone, Loki(d=8))
     with pytest.raises(SparqError, match="made for another model|made for a model"):
         Llama(path, Loki(d=8, projection=gqa_proj))
     with pytest.raises(SparqError, match="d must be"):
@@ -185,7 +191,7 @@ def test_c_api_refuses_a_foreign_projection(models):
         llama_cpp.Llama(str(path), n_ctx=64, flash_attn=True, verbose=False, sparse_attn=p)
 
 
-def test_stock_tool_runs_loki_from_env(models):
+def test_stock_tool_runs_loki_from_env(models, tmp_path):
     import os
     import subprocess
 
@@ -203,7 +209,14 @@ def test_stock_tool_runs_loki_from_env(models):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sparse_attn           = loki (d = 16, k = 32, l = 0" in proc.stderr
     assert_refused(args, dict(env, LLAMA_SPARSE_ATTN="loki:d=16,r=4"), "'r' is for sparq")
-    assert_refused(args, dict(env, LLAMA_SPARSE_ATTN="loki:d=16"), "no embedded Loki projection")
+    # without proj=: the projection next to the model, and the log says so; a model alone is refused
+    proc = subprocess.run(args, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
+                          env=dict(env, LLAMA_SPARSE_ATTN="loki:d=16"), timeout=120)
+    assert proc.returncode == 0 and f"loki projection: {proj} (next to the model" in proc.stderr, proc.stderr[-2000:]
+    alone = tmp_path / "alone.gguf"
+    shutil.copy(path, alone)
+    alone_args = [str(alone) if a == str(path) else a for a in args]
+    assert_refused(alone_args, dict(env, LLAMA_SPARSE_ATTN="loki:d=16"), "no embedded Loki projection")
 
 
 def test_generate_cli_with_loki(models):
