@@ -10,7 +10,7 @@ from sparq_cpp.cli.runner import CONTEXT_SETTINGS, SparqGroup
 @click.group(cls=SparqGroup, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="sparq-cpp")
 def cli():
-    """SparQ and Loki sparse attention for llama.cpp."""
+    """Sparse attention for llama.cpp: SparQ, Loki and ALISA (and --attn auto, the measured best of them)."""
 
 
 for _module in (generate, serve, calibrate, bench, eval, make_model, convert, dequantize, info):

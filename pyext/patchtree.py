@@ -204,8 +204,15 @@ def export_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=
     return [patches_dir / n for n in names]
 
 
+def _check_tree(tree: Path) -> None:
+    if not (tree / ".git").exists():
+        raise SparqError(f"{tree} is not a patched tree: make one with `make tree` "
+                         "(python -m sparq_cpp.pyext.patchtree init [DIR])")
+
+
 def export_upstream(out: Path, tree: Path = DEFAULT_TREE, log=print) -> list[Path]:
     """The series as upstream would take it: one patch per commit, the new files included."""
+    _check_tree(tree)
     if out.exists() and any(out.iterdir()):
         raise SparqError(f"{out} is not empty")
     out.mkdir(parents=True, exist_ok=True)

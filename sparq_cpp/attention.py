@@ -67,6 +67,11 @@ class SparQ:
 
     def __post_init__(self):
         _check_int32(self, ("r", "k", "l", "min_n_kv", "sink"))
+        # what needs no model is checked here, not when a context first uses the setting
+        if self.r < 1:
+            raise SparqError(f"r must be >= 1 (and at most the model's head size), got {self.r}")
+        if self.k < 1:
+            raise SparqError(f"k must be >= 1, got {self.k}")
 
     @property
     def local(self) -> int:
@@ -112,6 +117,10 @@ class Loki:
 
     def __post_init__(self):
         _check_int32(self, ("d", "k", "l", "min_n_kv", "sink"))
+        if self.d < 1:
+            raise SparqError(f"d must be >= 1 (and at most the model's head size), got {self.d}")
+        if self.k < 1:
+            raise SparqError(f"k must be >= 1, got {self.k}")
 
     @property
     def local(self) -> int:

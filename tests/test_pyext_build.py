@@ -175,3 +175,10 @@ def test_export_refuses_dirty_tree(tmp_path):
     (tree / "a").write_text("2")
     with pytest.raises(SparqError, match="uncommitted"):
         patchtree.export_tree(tree, tmp_path)
+
+
+def test_export_upstream_without_a_tree_says_how_to_make_one(tmp_path):
+    from sparq_cpp.pyext.patchtree import export_upstream
+
+    with pytest.raises(SparqError, match="is not a patched tree: make one with `make tree`"):
+        export_upstream(tmp_path / "out", tmp_path / "no-tree")

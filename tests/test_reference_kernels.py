@@ -280,3 +280,12 @@ def test_bad_parameters():
         DenseAttention()(q[:, :3], k, v, mask, kv_pos, 0.125)
     with pytest.raises(SparqError, match="kv_pos"):
         SparQAttention(4, 4)(q, k, v, mask, kv_pos[:-1], 0.125)
+
+
+def test_settings_refused_when_made_not_when_applied():
+    from sparq_cpp import Loki, SparQ, SparqError
+
+    for make, needle in ((lambda: SparQ(r=0), "r must be >= 1"), (lambda: SparQ(k=0), "k must be >= 1"),
+                         (lambda: Loki(d=0), "d must be >= 1"), (lambda: Loki(k=-1), "k must be >= 1")):
+        with pytest.raises(SparqError, match=needle):
+            make()
