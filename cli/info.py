@@ -14,9 +14,10 @@ from sparq_cpp.pyext.patchtree import series, series_hash
 from sparq_cpp.pyext.upstream import Pin
 
 
-def backends(lib_dir: Path) -> list[str]:
-    """Names of the ggml backends the build registered (CPU, CUDA, ...)."""
-    lib = ctypes.CDLL(str(lib_dir / "libggml.so"))
+def backends() -> list[str]:
+    """Names of the ggml backends the build registered (CPU, CUDA, ...), asked of the libggml that libllama uses
+    (a wheel holds libggml.so and libggml.so.0 as two files: each has its own registry)."""
+    lib = lazy.llama_cpp("llama_cpp")._lib
     lib.ggml_backend_reg_count.restype = ctypes.c_size_t
     lib.ggml_backend_reg_get.restype = ctypes.c_void_p
     lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
@@ -41,7 +42,7 @@ def command():
     llama_cpp = lazy.llama_cpp()
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     click.echo(f"library       {lib_dir}")
-    click.echo(f"backends      {', '.join(backends(lib_dir))}")
+    click.echo(f"backends      {', '.join(backends())}")
     try:
         cpu_lib, variant = cpu_library(lib_dir)
     except FileNotFoundError as e:
