@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparq_cpp.system import mem_available, meminfo  # noqa: F401 (re-exported for the bench)
+from sparq_cpp.system import cpu_busy_seconds, mem_available, meminfo  # noqa: F401 (re-exported for the bench)
 
 _BW_SRC = r"""
 #include <pthread.h>
@@ -137,16 +137,7 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def _cpu_busy_seconds() -> float | None:
-    """Busy CPU time of the whole machine so far (all cores), from /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except (OSError, IndexError):
-        return None
-    vals = [int(x) for x in fields]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    busy = sum(vals[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is inside user)
-    return busy / os.sysconf("SC_CLK_TCK")
+_cpu_busy_seconds = cpu_busy_seconds
 
 
 class CpuMonitor:

@@ -1,6 +1,6 @@
 """How llama.cpp's threads wait, on a quiet and on a busy machine: decode ms/token of `sparq-cpp generate`
-for each OpenMP wait policy (active: spin; passive: sleep; unset: GNU OpenMP's default, spin a while then
-sleep), dense and sparse, with the other cores idle and with one busy process per core (what a machine
+for each OpenMP wait policy (default: what sparq-cpp chooses; gomp: GNU OpenMP's default, spin a while then
+sleep; active: spin; passive: sleep; spinN: GOMP_SPINCOUNT=N, spin N times then sleep), dense and sparse, with the other cores idle and with one busy process per core (what a machine
 shared with other work looks like).
 
     python -m sparq_cpp.bench.thread_wait -m smollm2-135m --json docs/thread-wait.json
@@ -26,7 +26,9 @@ from sparq_cpp.bench import machine
 from sparq_cpp.cli.options import resolve_model
 from sparq_cpp.outfile import atomic_write
 
-POLICIES = ("unset", "active", "passive")
+# default: nothing set, what sparq-cpp chooses (passive when other processes hold the CPU at start, else GNU OpenMP's
+# default); gomp: GNU OpenMP's default whatever the load (GOMP_SPINCOUNT=300000, the spin count it uses unset)
+POLICIES = ("default", "gomp", "active", "passive")
 _DECODE = re.compile(r"decode\s+(\d+) tokens in\s+([\d.]+) s")
 
 
@@ -61,7 +63,12 @@ def decode_ms(model: str, attention: list[str], policy: str, threads: int, n_pre
     """ms per decoded token of one `generate` run (None: it did not finish within timeout)."""
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
-    if policy != "unset":
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy.startswith("spin"):  # spinN: GNU OpenMP spins N times at a barrier, then sleeps
+        env["GOMP_SPINCOUNT"] = policy[len("spin"):]
+    elif policy == "gomp":
+        env["GOMP_SPINCOUNT"] = "300000"
+    elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     cmd = [sys.executable, "-m", "sparq_cpp.cli.main", "generate", "-m", model, "--no-chat", "--no-display-prompt",
            "-p", prompt, "-n", str(n_predict), "--temp", "0", "--ignore-eos", "-t", str(threads), *attention]
@@ -82,7 +89,8 @@ def decode_ms(model: str, attention: list[str], policy: str, threads: int, n_pre
 @click.option("--n-predict", type=int, default=32, show_default=True)
 @click.option("--prompt-words", type=int, default=600, show_default=True,
               help="Prompt length (words of filler text), so that the sparse step has a cache to select from.")
-@click.option("--policies", default=",".join(POLICIES), show_default=True)
+@click.option("--policies", default=",".join(POLICIES), show_default=True,
+              help="default, gomp, active, passive, or spinN (GOMP_SPINCOUNT=N), comma-separated.")
 @click.option("--timeout", type=float, default=240, show_default=True, help="Seconds per run before it counts as stuck.")
 @click.option("--json", "json_out", default=None, metavar="FILE")
 def main(model, threads, repeats, n_predict, prompt_words, policies, timeout, json_out):

@@ -14,8 +14,10 @@ import click
 import numpy as np
 
 from sparq_cpp import lazy
+from sparq_cpp import system as host  # not `system`: generate's --system-prompt is
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ
 from sparq_cpp.auto import known_poor
+from sparq_cpp.bench.machine import CpuMonitor
 from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, attention_options, cache_type_options, cache_types,
                                    flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
@@ -24,6 +26,7 @@ from sparq_cpp.llm import open_model
 from sparq_cpp.projection import default_projection
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
+BUSY_SHARE = 0.25  # of the machine's CPU time used by other processes: the footer's speeds are then not the model's
 DEFAULT_CHAT_PROMPT = "Tell me about yourself."
 
 
@@ -224,6 +227,8 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
                               cache_type_k=type_k, cache_type_v=type_v, n_threads_batch=threads_batch,
                               n_gpu_layers=gpu_layers,
                               flash_attn=fa != "off")  # llama-cpp-python takes on or off: auto is on
+    if host.THREAD_WAIT_NOTE:
+        click.echo(f"threads {host.THREAD_WAIT_NOTE}", err=True)
     if gpu_layers and not _gpu_devices():
         click.echo(f"note    -ngl {gpu_layers}: this build has no GPU backend, nothing is offloaded", err=True)
     report_choice(llm, attention, path, loki_pca)
@@ -256,6 +261,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     llm._sampler = llm._init_sampler(top_k=top_k, top_p=top_p, min_p=min_p, temp=temp, repeat_penalty=repeat_penalty,
                                      logits_processor=_no_eog(llm) if ignore_eos else None,
                                      grammar=_grammar(llm, grammar_text) if grammar_text else None)
+    busy = CpuMonitor()  # whether other processes took the CPU meanwhile: then the speeds below are theirs too
     t0 = time.perf_counter()
     llm.eval(tokens)
     t_prompt = time.perf_counter() - t0
@@ -293,6 +299,11 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     if chat:
         click.echo("chat    the model's chat template; --no-chat continues raw text instead", err=True)
     _report(summary, len(tokens), t_prompt, generated, t_decode, llm)
+    foreign = busy.foreign_share()
+    if foreign is not None and foreign > BUSY_SHARE:
+        click.echo(f"warning: other processes used {foreign:.0%} of the CPU while this ran, so the speeds above are "
+                   "not this model's (llama.cpp's threads wait for each other at every step: fewer threads, -t, "
+                   "hold up better on a busy machine)", err=True)
     report_reads(llm, summary, llm.n_tokens, generated)
 
 

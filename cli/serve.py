@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from sparq_cpp import system
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, spec
 from sparq_cpp.auto import known_poor, resolve
 from sparq_cpp.cli.generate import attention_from_options
@@ -105,6 +106,9 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
             "-ctk", cache_type_k, "-ctv", cache_type_v, "-fa", fa]
     env = dict(os.environ)
     env.pop("LLAMA_SPARSE_ATTN", None)
+    note = system.choose_thread_wait(env)  # llama-server's OpenMP threads: passive when the CPU is busy now
+    if note:
+        click.echo(f"threads {note}", err=True)
     value = sparse_attn_env(attention)
     if value is not None:
         env["LLAMA_SPARSE_ATTN"] = value

@@ -11,7 +11,9 @@ Everything else is imported at the top of its module; tests/test_layering.py che
 from __future__ import annotations
 
 import importlib
+import sys
 
+from sparq_cpp import system
 from sparq_cpp.errors import SparqError
 
 # module -> the pyproject extra that installs it
@@ -49,6 +51,8 @@ def llama_cpp(submodule: str = ""):
     """llama_cpp (which loads libllama), or its `submodule` ("llama_cpp" for the raw ctypes bindings,
     "llama_chat_format", ...); a MissingDependency that says how to build it when it is not installed."""
     name = f"llama_cpp.{submodule}" if submodule else "llama_cpp"
+    if "llama_cpp" not in sys.modules:  # OpenMP reads its wait policy once, when libllama loads it
+        system.choose_thread_wait()
     try:
         return importlib.import_module(name)
     except ImportError as e:

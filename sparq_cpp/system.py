@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -44,3 +45,50 @@ def mem_available() -> int:
             avail = 0
     room = _cgroup_room()
     return min(avail, room) if room is not None and avail else (room or avail)
+
+
+def cpu_busy_seconds() -> float | None:
+    """Busy CPU time of the whole machine so far (all cores), from /proc/stat; None where there is none."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    vals = [int(x) for x in fields]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    busy = sum(vals[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def foreign_cpu_share(seconds: float = 0.2) -> float | None:
+    """The share of the machine's CPU that other processes use now: busy time over `seconds` of sleep here,
+    over all cores."""
+    before = cpu_busy_seconds()
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    after = cpu_busy_seconds()
+    if before is None or after is None:
+        return None
+    return max(0.0, (after - before) / ((time.perf_counter() - t0) * (os.cpu_count() or 1)))
+
+
+# Measured (docs/benchmarks.md, "Threads on a busy machine"): with one busy process per core, llama.cpp's OpenMP
+# threads that spin at barriers (GNU OpenMP's default, or active) decode 100-500x slower, sporadically; sleeping
+# (passive) holds at 2x the quiet speed but costs 3-4x when the machine is quiet. So passive only when busy.
+BUSY_SHARE = 0.3
+THREAD_WAIT_NOTE: str | None = None  # what choose_thread_wait decided, for the CLI to print
+
+
+def choose_thread_wait(env=None, share=None) -> str | None:
+    """Before llama.cpp's OpenMP runtime loads: OMP_WAIT_POLICY=passive when other processes hold the CPU now (and
+    neither it nor GOMP_SPINCOUNT is set). Returns a line saying so, or None (quiet, or the user chose)."""
+    global THREAD_WAIT_NOTE
+    env = os.environ if env is None else env
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return None
+    share = foreign_cpu_share() if share is None else share
+    if share is None or share < BUSY_SHARE:
+        return None
+    env["OMP_WAIT_POLICY"] = "passive"
+    THREAD_WAIT_NOTE = (f"other processes use {share:.0%} of the CPU: llama.cpp's threads sleep while they wait for "
+                        "each other (OMP_WAIT_POLICY=passive; set OMP_WAIT_POLICY=active to spin)")
+    return THREAD_WAIT_NOTE

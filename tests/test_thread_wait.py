@@ -38,5 +38,29 @@ def test_a_policy_reaches_the_child(monkeypatch):
     assert thread_wait.decode_ms("m", [], "passive", 2, 10, "p", 10) == pytest.approx(5.0)
     assert seen["policy"] == "passive"
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    thread_wait.decode_ms("m", [], "unset", 2, 10, "p", 10)
+    thread_wait.decode_ms("m", [], "default", 2, 10, "p", 10)
     assert seen["policy"] is None
+
+
+def test_generate_warns_when_other_processes_hold_the_cpu():
+    import os
+
+    from conftest import run_cli
+
+    with thread_wait.Load(os.cpu_count() or 1):
+        proc = run_cli("generate", "-n", "24", "--temp", "0", "-t", "1", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: other processes used" in proc.stderr, proc.stderr[-800:]
+    assert "threads other processes use" in proc.stderr and "OMP_WAIT_POLICY=passive" in proc.stderr
+
+
+def test_passive_waiting_only_when_the_cpu_is_busy():
+    from sparq_cpp import system
+
+    env = {}
+    assert system.choose_thread_wait(env, share=0.1) is None and env == {}
+    note = system.choose_thread_wait(env, share=0.6)
+    assert env == {"OMP_WAIT_POLICY": "passive"} and "60% of the CPU" in note
+    for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "1000"}):
+        env = dict(chosen)
+        assert system.choose_thread_wait(env, share=0.9) is None and env == chosen
