@@ -262,6 +262,25 @@ def assert_slot_restore_continues(server, prompt, n, filename):
     assert server.complete(prompt + first, n=n, **cont) == want
 
 
+# ---- tolerances from the arithmetic ----------------------------------------------------------------
+
+# llama.cpp against the reference (f64 on the same dequantized weights): the difference is rounding that llama.cpp
+# does and the reference does not. To first order each rounding adds at most its unit roundoff, relative to the
+# largest value, to the logits (max |diff| / max |logit|). Per layer: 4 matmul inputs (QKV, O, FFN up/gate, FFN
+# down) converted to the weights' dot type (f32: none; f16: u = 2^-11; q8_0: blocks scaled to their largest value,
+# u = 1/254), and up to 4 f16 roundings in attention (K and V in an f16 cache or cast by flash attention, q and the
+# softmax-weighted sum in flash attention; Gemma 3's f16 GELU table is of the same size); plus the output head's
+# input. f32 throughout is ulp-level: only the order of summation differs.
+U_F16, U_Q8_0 = 2.0 ** -11, 1.0 / 254
+TOL_F32 = 1e-5
+
+
+def tol_rounding(wtype: str, n_layer: int, f16_attention: bool = True) -> float:
+    u_dot = {"f32": 0.0, "f16": U_F16, "q8_0": U_Q8_0}[wtype]
+    bound = (4 * n_layer + 1) * u_dot + (4 * n_layer * U_F16 if f16_attention else 0.0)
+    return max(TOL_F32, bound)
+
+
 # ---- op inputs --------------------------------------------------------------------------------
 
 # SPEC "Numerical contract": max|diff| <= tol * max|y| of an op against the reference, by cache type

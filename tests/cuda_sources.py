@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sparq_cpp.bindings.cpu_backend import cpu_library
 from sparq_cpp.pyext.patchtree import patch_tree, series_hash
 from sparq_cpp.pyext.upstream import fetch_sdist, unpack_sdist
 
@@ -57,4 +58,18 @@ def installed_lib_dir() -> Path | None:
     if not rec:
         return None
     d = Path(rec["root"]) / "cmake-build" / "bin"
-    return d if (d / "libggml-cpu.so").exists() and (d / "libggml-base.so").exists() else None
+    return d if (d / "libggml-base.so").exists() and _has_cpu(d) else None
+
+
+def _has_cpu(d: Path) -> bool:
+    try:
+        cpu_library(d)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def installed_cpu_link(lib_dir: Path) -> str:
+    """The linker flag for the CPU backend this machine runs: libggml-cpu.so, or a portable build's variant."""
+    path, variant = cpu_library(lib_dir)
+    return "-lggml-cpu" if variant is None else f"-l:{path.name}"

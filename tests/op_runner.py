@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparq_cpp.bindings.cpu_backend import cpu_library
 from sparq_cpp.bindings import ggml_ops as go
 from sparq_cpp.pyext.build import installed_build
 
@@ -178,8 +179,10 @@ def build_host_runner(directory: Path) -> list[str]:
     src = llama_source()
     lib = go.lib_dir()
     exe = directory / "op_runner-host"
+    cpu, variant = cpu_library(lib)  # a portable build's CPU backend is the variant for this CPU
     subprocess.run(["gcc", "-O2", str(RUNNER_SRC), "-I", str(src / "ggml" / "include"), f"-L{lib}",
-                    "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                    "-lggml", "-lggml-base", "-lggml-cpu" if variant is None else f"-l:{cpu.name}",
+                    f"-Wl,-rpath,{lib}", "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     return [str(exe)]
 

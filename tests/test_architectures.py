@@ -15,7 +15,7 @@ from sparq_cpp.bindings import sparse_api  # noqa: E402
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from conftest import assert_one_line_error, calibration_text, retag_gguf, run_cli  # noqa: E402
+from conftest import assert_one_line_error, calibration_text, retag_gguf, run_cli, tol_rounding  # noqa: E402
 
 from sparq_cpp import Dense, Llama, Loki, SparQ, SparqError  # noqa: E402
 from sparq_cpp.calib import calibrate, read_projection, write_projection  # noqa: E402
@@ -130,20 +130,8 @@ def test_dense_matches_reference(models, preset):
     assert rows.max() <= tol and steps.max() <= tol, (rows.max(), steps)
 
 
-# Dense flash attention on an f16 cache with f16 or q8_0 weights, against the reference that computes in f64
-# on the same (dequantized) weights. The difference is rounding that llama.cpp does and the reference does
-# not; to first order each rounding adds at most its unit roundoff, relative to the largest value, to the
-# logits (the metric of `compare`). Per layer: 4 matmul inputs (QKV, O, FFN up/gate, FFN down) converted to
-# the weights' dot type (f16: u = 2^-11; q8_0: blocks scaled to their largest value, u = 1/254), and 4 f16
-# roundings (K and V in the cache, q and the softmax-weighted sum in flash attention; Gemma 3's GELU table
-# is of the same size); plus the output head's input. Measured against these bounds on x86 (AVX-512,
-# 2- and 4-layer models): 1.6-5x below for f16, 1.4-2x below for q8_0.
-U_F16, U_Q8_0 = 2.0 ** -11, 1.0 / 254
-
-
-def tol_weights(wtype: str, n_layer: int) -> float:
-    u_dot = {"f16": U_F16, "q8_0": U_Q8_0}[wtype]
-    return (4 * n_layer + 1) * u_dot + 4 * n_layer * U_F16
+# dense flash attention on an f16 cache, f16 and q8_0 weights: conftest.tol_rounding's bound. Measured against it
+# on x86 (AVX-512; 2- and 4-layer models): 1.6-5x below for f16, 1.4-2x below for q8_0.
 
 
 @pytest.mark.parametrize("wtype", ["f16", "q8_0"])
@@ -152,7 +140,7 @@ def test_quantized_weights_match_reference(tmp_path, preset, wtype):
     path = write_model(tmp_path / f"{preset}-{wtype}.gguf", preset, wtype=wtype, seed=3)
     model = load_llama(path)
     rows, steps = compare(open_llm(path, Dense(), cache_type="f16"), reference(model, cache_type="f16"), n_decode=4)
-    tol = tol_weights(wtype, model.hparams.n_layer)
+    tol = tol_rounding(wtype, model.hparams.n_layer)
     assert rows.max() <= tol and steps.max() <= tol, (rows.max(), steps, tol)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cuda_sources import KERNEL, installed_lib_dir, patched_tree
+from cuda_sources import KERNEL, installed_cpu_link, installed_lib_dir, patched_tree
 
 HERE = Path(__file__).parent / "cuda_emu"
 sys.path.insert(0, str(HERE))
@@ -37,7 +37,7 @@ def _build(tree: Path, lib: Path, out_dir: Path, name: str, extra: tuple[str, ..
     cmd = ["g++", "-std=c++20", "-O1", "-U_FORTIFY_SOURCE", "-Wno-unknown-pragmas", *extra,
            f"-I{out_dir}", f"-I{HERE}", f"-I{tree / 'ggml' / 'include'}", f"-I{tree / 'ggml' / 'src'}",
            str(HERE / "emu_main.cpp"), "-o", str(exe),
-           f"-L{lib}", "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-lpthread"]
+           f"-L{lib}", "-lggml", "-lggml-base", installed_cpu_link(lib), f"-Wl,-rpath,{lib}", "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"emulator build failed:\n{proc.stderr[-4000:]}"
     return exe
@@ -49,7 +49,7 @@ def emu_setup(tmp_path_factory):
         pytest.skip("the CUDA emulation needs g++ (C++20) and ucontext (Linux)")
     lib = installed_lib_dir()
     if lib is None:
-        pytest.skip("no installed build with libggml-cpu.so (run `make setup`): the CPU op is the reference")
+        pytest.skip("no installed build with a CPU backend (run `make setup`): the CPU op is the reference")
     tree = patched_tree(tmp_path_factory.mktemp("sdist"))
     if not (tree / KERNEL).is_file():
         pytest.skip(f"the patched tree {tree} has no {KERNEL}: the series has no CUDA kernel yet")

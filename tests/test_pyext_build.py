@@ -93,18 +93,21 @@ def test_corrupted_sdist_is_refused(tmp_path):
 
 @pytest.mark.build
 def test_nothing_changed_means_no_rebuild():
-    """With the inputs unchanged, `build` finds the cached build at once."""
-    key = pbuild.build_key(pbuild.BuildOptions())
+    """With the inputs unchanged, `build` finds the cached build at once (the installed build's options: the
+    default, or --portable)."""
     installed = pbuild.installed_build()
-    if installed is None or installed["key"] != key:
+    opts = pbuild.BuildOptions(**{k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in (installed or {}).get("options", {}).items()})
+    if installed is None or installed["key"] != pbuild.build_key(opts):
         pytest.fail("the build for this checkout is not installed; run `make setup` first")
     t0 = time.time()
-    b = pbuild.build(log=lambda *_: pytest.fail("build() wanted to rebuild with unchanged inputs"))
+    b = pbuild.build(opts, log=lambda *_: pytest.fail("build() wanted to rebuild with unchanged inputs"))
     assert time.time() - t0 < 30
     assert b.wheel.exists()
     for name in pbuild.TOOLS:
         assert Path(b.tools[name]).is_file(), name
-    proc = subprocess.run([sys.executable, "-m", "sparq_cpp.pyext.build"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "sparq_cpp.pyext.build", *(["--portable"] if opts.portable else [])],
+                          capture_output=True, text=True)
     assert proc.returncode == 0 and "already installed" in proc.stdout
 
 

@@ -89,10 +89,11 @@ def servers():
 
 
 def _libggml():
-    import llama_cpp
+    from llama_cpp import llama_cpp as bindings
 
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    lib = ctypes.CDLL(str(next(lib_dir.glob("libggml.so*"))))
+    # the libggml libllama uses: a wheel holds libggml.so and libggml.so.0 as two files, each with its own
+    # registry, and a build whose backends load at run time registers them in libllama's only
+    lib = bindings._lib
     lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
     lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
