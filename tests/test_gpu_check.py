@@ -402,7 +402,9 @@ def test_op_bench_runs_on_the_cpu(tmp_path):
     proc = subprocess.run(["g++", "-O1", "-std=c++17", f"-I{tree / 'ggml' / 'include'}", str(src), f"-L{lib}", "-lggml",
                            "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # cwd: where ggml_backend_load_all finds a portable build's backend modules (a linked-in CPU backend needs none)
     proc = subprocess.run([str(exe), "-b", "CPU", "--types", "f16,q8_0", "--kv", "512", "--nh", "8", "-l", "2", "-r", "1"],
+                          cwd=str(lib),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("op=")]

@@ -38,6 +38,8 @@ def _headers() -> Path | None:
     return inc
 
 
+# the op bench runs in the library folder: ggml_backend_load_all finds a portable build's backend modules there
+# (a build with the CPU backend linked in needs none)
 @pytest.fixture(scope="module")
 def op_bench(tmp_path_factory) -> Path:
     lib, inc = installed_lib_dir(), _headers()
@@ -64,7 +66,7 @@ def _check(exe: Path, tmp: Path, q, k, v, *, kv_type, r, top_k, l, mean_value):
     proc = subprocess.run([str(exe), "--check", str(tmp), "-b", "CPU", "-t", "2", "--types", kv_type, "--nh", str(nh),
                            "--hq", str(hq), "--hs", str(D), "--kv", str(n_kv), "--r", str(r), "--k", str(top_k),
                            "--local", str(l), "--mean", str(int(mean_value))],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=str(installed_lib_dir()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith(f"check type={kv_type} hq={hq} nh={nh} kv={n_kv}"), line
@@ -127,7 +129,7 @@ def test_composed_matches_fused_on_other_caches(op_bench, tmp_path, kv_type):
 def test_timing_lines(op_bench):
     """The timing mode prints the composed op between the fused op and flash attention, with its scratch bytes."""
     proc = subprocess.run([str(op_bench), "-b", "CPU", "-t", "2", "--types", "f16", "--kv", "512", "--nh", "8", "-l", "2",
-                           "-r", "1"], capture_output=True, text=True, timeout=120)
+                           "-r", "1"], capture_output=True, text=True, timeout=120, cwd=str(installed_lib_dir()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("op=")]
     assert [ln.split()[0] for ln in lines] == ["op=sparq", "op=sparq-composed", "op=flash"]
@@ -136,5 +138,5 @@ def test_timing_lines(op_bench):
     assert fused["bytes_per_layer"] == composed["bytes_per_layer"]  # the same cache reads
     assert int(composed["scratch_bytes_per_layer"]) > 0
     proc = subprocess.run([str(op_bench), "-b", "CPU", "--types", "f16", "--kv", "512", "--nh", "8", "-l", "1", "-r", "1",
-                           "--ops", "sparq,flash"], capture_output=True, text=True, timeout=120)
+                           "--ops", "sparq,flash"], capture_output=True, text=True, timeout=120, cwd=str(installed_lib_dir()))
     assert [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("op=")] == ["op=sparq", "op=flash"]
