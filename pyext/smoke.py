@@ -3,8 +3,9 @@
 A build can compile cleanly and still die at its first prompt on the machine it was built for (a
 miscompiled instruction path such as ggml's AMX matmul under GCC 12). So before `make setup` installs a
 build, each stage below runs in a child process against the build's own files (its wheel unpacked beside
-it, its tools), on the demo model: a prompt batch long enough for every extra buffer type the CPU backend
-offers here (AMX, repacked weights) and greedy decode steps dense, SparQ, Loki and ALISA, then a stock tool.
+it, its tools), on the demo model (q8_0 weights): a prompt batch long enough for the extra buffer types the CPU
+backend offers q8_0 here (AMX tiles; Arm's repacked q8_0; x86 repacks only 4-bit types) and greedy decode steps
+dense, SparQ, Loki and ALISA, then a stock tool.
 A stage that dies or fails stops the install, naming the stage, the signal and what to try. A build that
 passed is recorded in its folder (`smoke.json`) and not run again.
 
