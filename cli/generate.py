@@ -3,7 +3,6 @@ report why it stopped, prompt and decode speed, and the KV-cache data the last s
 from __future__ import annotations
 
 import codecs
-import ctypes
 import json
 import sys
 import time
@@ -17,6 +16,7 @@ from sparq_cpp import lazy
 from sparq_cpp import system as host  # not `system`: generate's --system-prompt is
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ
 from sparq_cpp.auto import known_poor
+from sparq_cpp.bindings.cpu_backend import gpu_device_count
 from sparq_cpp.bench.machine import CpuMonitor
 from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, attention_options, cache_type_options, cache_types,
                                    flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
@@ -229,7 +229,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
                               flash_attn=fa != "off")  # llama-cpp-python takes on or off: auto is on
     if host.THREAD_WAIT_NOTE:
         click.echo(f"threads {host.THREAD_WAIT_NOTE}", err=True)
-    if gpu_layers and not _gpu_devices():
+    if gpu_layers and not gpu_device_count():
         click.echo(f"note    -ngl {gpu_layers}: this build has no GPU backend, nothing is offloaded", err=True)
     report_choice(llm, attention, path, loki_pca)
     attention = llm.attention  # auto: what it resolved to
@@ -351,10 +351,7 @@ def _grammar_text(grammar, grammar_file, json_schema) -> str | None:
     if len(given) > 1:
         raise SparqError("give one of --grammar, --grammar-file and --json-schema")
     if grammar_file is not None:
-        try:
-            return Path(grammar_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SparqError(f"--grammar-file {grammar_file}: {e}") from None
+        return _read_option_file(grammar_file, "--grammar-file")
     if json_schema is not None:
         try:
             json.loads(json_schema)
@@ -379,28 +376,19 @@ def _grammar(llm, text: str):
     return lazy.llama_cpp("llama_grammar").LlamaGrammar.from_string(text, verbose=False)
 
 
-def _gpu_devices() -> int:
-    """GPU devices ggml registered (CUDA, ...); RPC servers count only once added with --rpc."""
-    lib = lazy.llama_cpp("llama_cpp")._lib
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    gpu_types = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
-    return sum(lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) in gpu_types
-               for i in range(lib.ggml_backend_dev_count()))
-
-
 def _template_text(chat_template, chat_template_file) -> str | None:
     if chat_template is not None and chat_template_file is not None:
         raise SparqError("give --chat-template or --chat-template-file, not both")
     if chat_template_file is not None:
-        try:
-            return Path(chat_template_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SparqError(f"--chat-template-file {chat_template_file}: {e}") from None
+        return _read_option_file(chat_template_file, "--chat-template-file")
     return chat_template
+
+
+def _read_option_file(path, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SparqError(f"{option} {path}: {e}") from None
 
 
 def _no_eog(llm):

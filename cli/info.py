@@ -1,30 +1,16 @@
 """`sparq-cpp info`: which patched llama.cpp build is in use, and what it can run on."""
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import click
 
 from sparq_cpp import lazy
-from sparq_cpp.bindings.cpu_backend import cpu_library, variants
+from sparq_cpp.bindings.cpu_backend import backend_names, cpu_library, variants
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext.build import installed_build
 from sparq_cpp.pyext.patchtree import series, series_hash
 from sparq_cpp.pyext.upstream import Pin
-
-
-def backends() -> list[str]:
-    """Names of the ggml backends the build registered (CPU, CUDA, ...), asked of the libggml that libllama uses
-    (a wheel holds libggml.so and libggml.so.0 as two files: each has its own registry)."""
-    lib = lazy.llama_cpp("llama_cpp")._lib
-    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
-    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
-    return [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode()
-            for i in range(lib.ggml_backend_reg_count())]
 
 
 @click.command("info")
@@ -42,7 +28,7 @@ def command():
     llama_cpp = lazy.llama_cpp()
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     click.echo(f"library       {lib_dir}")
-    click.echo(f"backends      {', '.join(backends())}")
+    click.echo(f"backends      {', '.join(backend_names())}")
     try:
         cpu_lib, variant = cpu_library(lib_dir)
     except FileNotFoundError as e:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparq_cpp import auto, lazy, system
@@ -80,7 +79,7 @@ def check_loki_projection(attention: Loki, model_path) -> Loki:
     except SparqError as e:
         embedded_error = e
     beside = default_projection(model_path)
-    if Path(beside).is_file():
+    if beside.is_file():
         read_projection(beside, model_path=model_path, variant=attention.variant)
         return dataclasses.replace(attention, projection=str(beside))
     why = "has none embedded" if "no loki.version key" in str(embedded_error) else \
@@ -197,6 +196,7 @@ def _llama_class():
             self.cache_type: str | None = type_k if type_k == type_v else None  # None: K and V differ
             self.attention = attention
             self._alisa_window = isinstance(attention, ALISA)  # the context keeps ALISA's window of past weights
+            self._prompt_next = False  # set by generate: its next eval is the part of a prompt not cached
 
         def generate(self, tokens, *args, **kwargs):
             self._prompt_next = True  # the next eval is this prompt's (what llama_cpp did not find cached)
@@ -211,7 +211,7 @@ def _llama_class():
             its logits) is evaluated with the token before it, as one batch: alone it would be a sparse decode
             step where the first time the prompt batch attended densely, and the same request would give
             another text (llama-server does the same)."""
-            if getattr(self, "_prompt_next", False):
+            if self._prompt_next:
                 self._prompt_next = False
                 if len(tokens) == 1 and self.n_tokens > 0 and not isinstance(self.attention, Dense):
                     self.n_tokens -= 1
