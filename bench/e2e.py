@@ -247,8 +247,10 @@ def pool_rounds(results: list, repeats: int) -> list:
 def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: list, token: int, k_std, v_std,
                bar) -> list:
     """Time some modes at one depth: one context per (mode, fill), each filled and warmed up, then
-    their timed steps alternate round-robin (mode A synthetic, A prefill, B synthetic, ...) so that
-    a slow spell of a shared machine hits them all alike.
+    their timed steps alternate in turns (mode A synthetic, A prefill, B synthetic, ...) so that a slow
+    spell of a shared machine hits them all alike. A turn is `block` steps of one context back to back
+    after one untimed step (kept as "settle_s"): a mode's steps then meet the caches and clocks that its
+    own steps leave, as when it runs alone, not those of the mode timed before it.
 
     A step during which our threads waited for a CPU for more than `disturbed_frac` of its time
     (another process took a core) is kept in the JSON but marked disturbed, and another step is
@@ -287,34 +289,45 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
                 bar.update(1)
             samples[key] = []
         kept = dict.fromkeys(ctxs, 0)
+        settle = {key: [] for key in ctxs}
         t_start = time.perf_counter()
         while any(kept[k] < cfg.repeats for k in ctxs):
             for key, c in ctxs.items():
                 if kept[key] >= cfg.repeats or len(samples[key]) >= cfg.repeats + max_extra:
                     continue
-                dt, wait = c.step(token)
-                disturbed = wait is not None and wait > cfg.disturbed_frac * dt
-                samples[key].append((dt, wait, disturbed))
-                if not disturbed:
-                    kept[key] += 1
-                    bar.update(1)
-                else:
-                    n_dist = sum(x[2] for k in samples for x in samples[k])
-                    bar.set_postfix_str(f"{tag}: decode, {n_dist} disturbed")
-                    time.sleep(0.2)
+                # a turn: cfg.block steps of one mode back to back, after one untimed step that pays for the
+                # switch (the other modes' working set in the caches, a compute-bound neighbour's clock)
+                if len(ctxs) > 1:
+                    settle[key].append(c.step(token)[0])
+                for _ in range(cfg.block):
+                    if kept[key] >= cfg.repeats or len(samples[key]) >= cfg.repeats + max_extra:
+                        break
+                    dt, wait = c.step(token)
+                    disturbed = wait is not None and wait > cfg.disturbed_frac * dt
+                    samples[key].append((dt, wait, disturbed))
+                    if not disturbed:
+                        kept[key] += 1
+                        bar.update(1)
+                    else:
+                        n_dist = sum(x[2] for k in samples for x in samples[k])
+                        bar.set_postfix_str(f"{tag}: decode, {n_dist} disturbed")
+                        time.sleep(0.2)
             exhausted = all(kept[k] >= cfg.repeats or len(samples[k]) >= cfg.repeats + max_extra for k in ctxs)
             timed_out = (time.perf_counter() - t_start > cfg.max_retry_s
                          and all(len(samples[k]) >= cfg.repeats for k in ctxs))
             if exhausted or timed_out:
                 bar.update(sum(max(0, cfg.repeats - kept[k]) for k in ctxs))
                 break
-        # steps right after a one-token rewind, alternating as above
+        # steps right after a one-token rewind, in turns as above
         bar.set_postfix_str(f"{tag}: decode after a rewind")
         rewind = {key: [] for key in ctxs}
-        for _ in range(cfg.repeats):
+        for _ in range(0, cfg.repeats, cfg.block):
             for key, c in ctxs.items():
-                rewind[key].append(c.step(token, rewind=True)[0])
-                bar.update(1)
+                if len(ctxs) > 1:
+                    settle[key].append(c.step(token, rewind=True)[0])
+                for _ in range(min(cfg.block, cfg.repeats - len(rewind[key]))):
+                    rewind[key].append(c.step(token, rewind=True)[0])
+                    bar.update(1)
         others = mon.foreign_share()
     finally:
         for c in ctxs.values():
@@ -328,6 +341,7 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
                    "run_queue_wait_s": [x[1] for x in samples[key]], "disturbed": [x[2] for x in samples[key]]}
             rec.update(_sample_stats(rec, cfg.repeats))
             out.append({**rec, "first_step_s": [first[key]], "warmup_s": warm[key], "rewind_step_s": rewind[key],
+                        "settle_s": settle[key], "block": cfg.block,
                         "fill_s": fill_s[key], **load.get(key, {}), "bytes": by,
                         "effective_gbs": by["total"] / rec["median_s"] / 1e9,
                         "attention": ctxs[key].attention, "n_ctx": n_ctx_for(depth, step_headroom(cfg)),

@@ -82,6 +82,7 @@ class BenchConfig:
     max_retry_s: float = 300.0
     wait_quiet: float = 0.0
     interleave: bool = True
+    block: int = 4        # steps of one mode per turn when modes alternate (after one untimed step)
     bandwidth_bytes: int = GIB
     progress: bool = True
 
@@ -137,7 +138,7 @@ def validate(cfg: BenchConfig) -> BenchConfig:
     cfg = replace(cfg, depths=parse_depths(cfg.depths), modes=parse_modes(cfg.modes))
     if cfg.fill not in FILLS:
         raise SparqError(f"--fill: unknown {cfg.fill!r} (choose from {', '.join(FILLS)})")
-    for name in ("repeats", "rounds", "r", "k", "d", "prefill_batch"):
+    for name in ("repeats", "rounds", "r", "k", "d", "prefill_batch", "block"):
         if getattr(cfg, name) < 1:
             raise SparqError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(cfg, name)}")
     for name in ("warmup", "l", "prefill_max"):

@@ -64,10 +64,12 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
               help="Before timing each (S, mode), wait up to this many seconds for other processes to go quiet.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Alternate the timed steps of the modes at one depth where memory allows their contexts together.")
+@click.option("--block", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Interleaved: steps of one mode per turn, after one untimed step that pays for the switch.")
 @progress_option
 def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sink, loki_pca, mean_value, repeats, rounds, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
-            max_extra_steps, wait_quiet, interleave, progress):
+            max_extra_steps, wait_quiet, interleave, block, progress):
     """Time decoding one token at a time from depth S for each mode, as generation runs it (median and IQR
     of steady steps), with the bytes each token reads, the machine's read bandwidth and the speed-up bound;
     the first step after filling the cache and a step right after removing the last token are reported apart."""
@@ -76,7 +78,7 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sin
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=bandwidth_mib << 20, disturbed_frac=disturbed_frac,
-                      max_extra_steps=max_extra_steps, wait_quiet=wait_quiet, interleave=interleave,
+                      max_extra_steps=max_extra_steps, wait_quiet=wait_quiet, interleave=interleave, block=block,
                       progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(format_table(doc))
@@ -90,5 +92,5 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sin
 @click.argument("run_b", type=click.Path(dir_okay=False))
 @click.option("--tolerance", type=float, default=RERUN_TOL, show_default=True, help="Relative difference counted as reproduced.")
 def compare_command(run_a, run_b, tolerance):
-    """Compare the speed-ups of two `sparq-cpp bench --json` runs (a rerun: the same command twice)."""
+    """Compare the step times and speed-ups of two `sparq-cpp bench --json` runs (a rerun, or interleaved against --no-interleave)."""
     click.echo(format_comparison(compare(load(run_a), load(run_b), tolerance), tolerance))

@@ -3,6 +3,7 @@ SparQ, f16 and q8_0 caches), the transfer model's byte counts, bad input, and a 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 
 import numpy as np
@@ -435,21 +436,25 @@ def test_disturbed_steps_are_retaken_and_flagged(models, monkeypatch):
 
 
 def test_bench_compare(tmp_path):
-    """bench-compare: speed-ups of two runs side by side, the ones off by more than the tolerance
-    marked; files that are not bench JSON are refused by name."""
+    """bench-compare: step times and speed-ups of two runs side by side (a rerun, or interleaved against
+    alone), the ones off by more than the tolerance marked; files that are not bench JSON are refused by name."""
     from sparq_cpp.bench.compare import compare, format_comparison, load
 
-    def doc(speedups):
+    def doc(steps):
+        base = 0.1
         return {"schema": e2e_config.SCHEMA, "summary": [
-            {"depth": d, "mode": m, "speedup": s} for (d, m), s in speedups.items()] +
-            [{"depth": 1024, "mode": "dense-nofa", "speedup": None}]}
-    a = doc({(1024, "sparq"): 1.0, (4096, "sparq"): 2.0, (4096, "loki"): 1.5})
-    b = doc({(1024, "sparq"): 1.05, (4096, "sparq"): 1.7})
+            {"depth": d, "mode": m, "median_s": t, "speedup": base / t} for (d, m), t in steps.items()] +
+            [{"depth": 1024, "mode": "dense-nofa", "median_s": base, "speedup": None}]}
+    a = doc({(1024, "sparq"): 0.1, (4096, "sparq"): 0.05, (4096, "loki"): 0.07})
+    b = doc({(1024, "sparq"): 0.1 / 1.05, (4096, "sparq"): 0.05 / 0.85})
     rows = compare(a, b)
-    assert [(r["depth"], r["mode"], r["agree"]) for r in rows] == [(1024, "sparq", True), (4096, "sparq", False)]
+    assert [(r["depth"], r["mode"], r["agree"]) for r in rows] == \
+        [(1024, "sparq", True), (4096, "sparq", False), (1024, "dense-nofa", True)]
     assert rows[1]["rel_diff"] == pytest.approx(-0.15)
+    assert rows[1]["step_rel_diff"] == pytest.approx(1 / 0.85 - 1)
+    assert rows[2]["rel_diff"] is None and rows[2]["step_rel_diff"] == 0
     text = format_comparison(rows)
-    assert "1 of 2 speed-ups reproduced within 10%" in text and "-15.0%  !" in text
+    assert "2 of 3 (S, mode) reproduced within 10%" in text and "-15.0%  !" in text
     (tmp_path / "a.json").write_text(json.dumps(a))
     assert load(tmp_path / "a.json") == a
     (tmp_path / "bad.json").write_text('{"schema": "other"}')
@@ -458,7 +463,7 @@ def test_bench_compare(tmp_path):
         with pytest.raises(SparqError, match=msg):
             load(path)
     with pytest.raises(SparqError, match="no \\(S, mode\\)"):
-        compare(a, doc({(8192, "sparq"): 3.0}))
+        compare(a, {"schema": e2e_config.SCHEMA, "summary": [{"depth": 8192, "mode": "sparq", "median_s": 0.1}]})
 
 
 def test_model_shape_takes_the_head_size_the_model_sets(tmp_path):
@@ -470,3 +475,27 @@ def test_model_shape_takes_the_head_size_the_model_sets(tmp_path):
         assert geo.head_dim != geo.n_embd // geo.n_head
         path = write_model(tmp_path / f"{preset}.gguf", preset)
         assert shape_from_gguf(path).head_dim == geo.head_dim == shape_from_geometry(geo, "f32").head_dim
+
+
+def test_interleaved_modes_take_turns_of_block_steps(models, monkeypatch):
+    """--block: interleaved modes run in turns of `block` timed steps, each after one untimed step (kept as
+    settle_s), so that a mode's timed steps follow its own steps, not another mode's."""
+    calls = []
+    step = e2e._Context.step
+
+    def spy(self, token, rewind=False):
+        calls.append((self.mode.name, rewind))
+        return step(self, token, rewind)
+
+    monkeypatch.setattr(e2e._Context, "step", spy)
+    cfg = BenchConfig(model=models["tiny"], depths=[64], modes=["dense-fa", "dense-nofa"], threads=1, repeats=5,
+                      warmup=0, block=2, bandwidth_bytes=1 << 24, progress=False, disturbed_frac=1e9)
+    doc = e2e.run(cfg, log=lambda s: None)
+    steady = [m for m, rw in calls if not rw][2:]  # after each context's first step
+    # turns: settle + 2, settle + 2, settle + 1 per mode, alternating
+    runs = [len(list(g)) for _, g in itertools.groupby(steady)]
+    assert runs == [3, 3, 3, 3, 2, 2]
+    for r in doc["results"]:
+        assert r["block"] == 2 and len(r["samples_s"]) == 5
+        assert len(r["settle_s"]) == 3 + 3  # steady turns, then rewind turns
+        assert len(r["rewind_step_s"]) == 5
