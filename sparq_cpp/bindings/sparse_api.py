@@ -20,40 +20,19 @@ MODES = {"dense": LLAMA_SPARSE_ATTN_DENSE, "sparq": LLAMA_SPARSE_ATTN_SPARQ, "lo
 LLAMA_SPARSE_ATTN_ERR_PROJECTION = -17  # Loki projection missing, unreadable, or not made for this model
 
 
-class OwnParams(ctypes.Structure):
-    """This package's copy of llama_sparse_attn_params (llama.h), for a llama_cpp without the patched bindings."""
-
-    _fields_ = [
-        ("mode", ctypes.c_int),
-        ("r", ctypes.c_int32),
-        ("k", ctypes.c_int32),
-        ("l", ctypes.c_int32),
-        ("sink", ctypes.c_int32),
-        ("mean_value", ctypes.c_bool),
-        ("min_n_kv", ctypes.c_int32),
-        ("sparse_prompt", ctypes.c_bool),
-        ("d", ctypes.c_int32),
-        ("loki_proj", ctypes.c_char_p),
-        ("loki_pre_rope", ctypes.c_bool),
-        ("c", ctypes.c_float),
-    ]
-
-
 @lru_cache(maxsize=None)
 def params_struct():
-    """llama_cpp's own llama_sparse_attn_params (the patched bindings have it, as a field of
-    llama_context_params), so that ours can be assigned to that field; this module's copy otherwise.
-    Looked up on first use (importing llama_cpp loads libllama); `llama_sparse_attn_params` names it."""
+    """llama_cpp's llama_sparse_attn_params: the patched bindings declare it (llama.h's struct, a field of
+    llama_context_params), so that one definition serves both; looked up on first use (importing llama_cpp
+    loads libllama). `llama_sparse_attn_params` names it. A llama_cpp without it is not the patched build."""
     try:
         raw = lazy.llama_cpp("llama_cpp")
-    except ImportError:
-        return OwnParams
+    except ImportError as e:
+        raise SparqError(f"llama_cpp cannot be imported ({e}); run `make setup` to build and install it") from None
     cls = getattr(raw, "llama_sparse_attn_params", None)
     if cls is None:
-        return OwnParams
-    if [f[:2] for f in cls._fields_] != [f[:2] for f in OwnParams._fields_]:
-        raise SparqError("the installed llama_cpp's llama_sparse_attn_params differs from this package's; "
-                         "run `make setup` to build the matching one")
+        raise SparqError("the installed llama_cpp has no sparse attention parameters (a stock build); "
+                         "run `make setup` to build the patched one")
     return cls
 
 
@@ -63,14 +42,12 @@ def __getattr__(name):  # sparse_api.llama_sparse_attn_params: the structure par
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-INT32_FIELDS = frozenset(name for name, ctype in OwnParams._fields_ if ctype is ctypes.c_int32)
-
-
 def fill(params, **values):
     """Set fields of `params`. ctypes stores only the low 32 bits of an int32 field (2**32 + 5
     becomes 5), so a value that does not fit is refused here instead."""
+    int32_fields = {name for name, ctype in params._fields_ if ctype is ctypes.c_int32}
     for name, value in values.items():
-        if name in INT32_FIELDS and not -2**31 <= value <= 2**31 - 1:
+        if name in int32_fields and not -2**31 <= value <= 2**31 - 1:
             raise SparqError(f"{name} must be in {-2**31}..{2**31 - 1} (a C int32), got {value}")
         setattr(params, name, value)
     return params
