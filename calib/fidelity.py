@@ -41,6 +41,7 @@ from sparq_cpp.calib.run import calibrate
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf, swa_layers
 from sparq_cpp.llm import c_params, default_threads
+from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.real_models import MODELS, fetch
 
 METHODS = ("sparq", "loki", "pca-sparq")
@@ -419,8 +420,10 @@ def plot(results: list, path, metric: str = "recall") -> None:
         row[0].set_ylabel({"recall": "recall of the exact top-k", "mass": "exact attention mass kept"}[metric])
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110), "--plot")
+    finally:
+        plt.close(fig)
 
 
 # ---- llama.cpp's SparQ against the reference, in the model's graph -----------------------------------
@@ -524,6 +527,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--plot", help="a PNG of recall against r and d (the mass: PATH with -mass before .png)")
     a = ap.parse_args(argv)
+    check_writable(a.json, "--json")  # now, not after the run
+    if a.plot:
+        check_writable(a.plot, "--plot")
     model = fetch(a.model) if a.model in MODELS else Path(a.model)
     text = Path(a.text).read_text(encoding="utf-8")
     result: dict = {"command": "python -m sparq_cpp.calib.fidelity " + " ".join(argv or sys.argv[1:])}
@@ -554,7 +560,7 @@ def main(argv=None) -> int:
         str(q): {"choice": {f"{il}/{h}": m for (il, h), m in e["choice"].items()},
                  **{str(S): {m: list(v) for m, v in e[S].items()} for S in res["lengths"]}}
         for q, e in per_layer_choice(res).items()}
-    Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write(a.json, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"), "--json")
     if a.plot:
         plot([result], a.plot, "recall")
         plot([result], str(Path(a.plot).with_suffix("")) + "-mass.png", "mass")
@@ -603,4 +609,8 @@ def per_layer_lines(res: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SparqError as e:  # one line, as the sparq-cpp commands print it
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

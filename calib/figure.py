@@ -10,8 +10,9 @@ from sparq_cpp.outfile import atomic_write
 
 
 def rank_figure(path, rank_pre: np.ndarray, rank_post: np.ndarray, head_dim: int, model_name: str,
-                fraction: float = 0.9) -> Path:
-    """rank_*: [n_layer, n_head_kv]; each panel plots the mean over KV heads per layer."""
+                fraction: float = 0.9, what: str = "output") -> Path:
+    """rank_*: [n_layer, n_head_kv]; each panel plots the mean over KV heads per layer. `what` (the option
+    that named `path`) starts an error's message."""
     plt = lazy.pyplot()
     MaxNLocator = lazy.need("matplotlib.ticker", "a plot").MaxNLocator
     pct = round(100 * fraction)
@@ -29,6 +30,6 @@ def rank_figure(path, rank_pre: np.ndarray, rank_post: np.ndarray, head_dim: int
     axes[0].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     try:
-        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120), what)
     finally:
         plt.close(fig)

@@ -23,6 +23,7 @@ import numpy as np
 from sparq_cpp.calib.budget import selection
 from sparq_cpp.calib.fidelity import QKVCapture, exact_weights, full_attention_layers, loki_weights, sparq_weights
 from sparq_cpp.errors import SparqError
+from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.projection import read_projection
 from sparq_cpp.real_models import MODELS, fetch
 
@@ -107,11 +108,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    check_writable(a.json, "--json")  # now, not after the run
     model = fetch(a.model) if a.model in MODELS else Path(a.model)
     res = measure(model, Path(a.text).read_text(encoding="utf-8"), a.projection, ctx=a.ctx, n_windows=a.windows,
                   r=a.r, d=a.d, n_threads=a.threads)
     res["command"] = "python -m sparq_cpp.calib.output_error " + " ".join(argv or sys.argv[1:])
-    Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    atomic_write(a.json, lambda tmp: tmp.write_text(json.dumps(res, indent=1) + "\n"), "--json")
     print(f"relative error of the attention output, k = {res['k']}, l = {res['l']} (exact top-k: l = 0); mean +- se "
           f"over {res['windows']} windows x KV heads")
     print("rows  layer " + "".join(n.rjust(22) for n in res["rankings"]))
@@ -125,4 +127,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SparqError as e:  # one line, as the sparq-cpp commands print it
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -78,8 +78,10 @@ def _loki_tensors(pca: LokiPCA):
             yield var_name(il, v), np.ascontiguousarray(pca.explained_variance[v][il], np.float32)
 
 
-def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity: dict | None = None) -> Path:
-    """Write the standalone projection file for the model at model_path (with calib.budget's `fidelity`)."""
+def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity: dict | None = None,
+                     what: str = "output") -> Path:
+    """Write the standalone projection file for the model at model_path (with calib.budget's `fidelity`);
+    `what` (the option that named the path) starts an error's message."""
     model = ModelIdentity.of(model_path)
 
     def write(tmp):
@@ -97,7 +99,7 @@ def write_projection(path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity:
         finally:
             w.close()
 
-    return atomic_write(path, write)
+    return atomic_write(path, write, what)
 
 
 def check_embeddable(arch: str) -> None:
@@ -106,7 +108,8 @@ def check_embeddable(arch: str) -> None:
                          f"only, not {arch}; write the projection file (without --embed) and pass it with --loki-pca")
 
 
-def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity: dict | None = None) -> Path:
+def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int, fidelity: dict | None = None,
+                     what: str = "output") -> Path:
     """A copy of the model GGUF with the Loki tensors and loki.* keys added (gguf_new_metadata's
     approach); tensor data is streamed in 16 MiB pieces, so memory stays bounded."""
     model_path = Path(model_path)
@@ -152,7 +155,7 @@ def embed_projection(out_path, pca: LokiPCA, model_path, *, ctx_size: int, fidel
         finally:
             w.close()
 
-    return atomic_write(out_path, write)
+    return atomic_write(out_path, write, what)
 
 
 def _write_streamed(w, src, offset: int, nbytes: int) -> None:

@@ -167,9 +167,9 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
             except SparqError as e:  # the layer errors still stand; auto then chooses by them
                 click.echo(f"warning: no end-to-end probe ({e}); --attn auto will choose by the layer errors", err=True)
     if embed:
-        embed_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid)
+        embed_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid, what="--out")
     else:
-        write_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid)
+        write_projection(out, pca, model, ctx_size=ctx_size, fidelity=fid, what="--out")
     click.echo(_table(pca))
     if fid is not None:
         click.echo(fidelity_table(fid, out))
@@ -177,7 +177,7 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
                f"({pca.n_tokens / seconds:.0f} tokens/s)", err=True)
     click.echo(f"wrote {out}", err=True)
     if figure is not None:
-        rank_figure(figure, pca.rank_at("pre"), pca.rank_at("post"), summary.head_dim, summary.name)
+        rank_figure(figure, pca.rank_at("pre"), pca.rank_at("post"), summary.head_dim, summary.name, what="--figure")
         click.echo(f"wrote {figure}", err=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import click
@@ -16,13 +17,26 @@ from sparq_cpp.real_models import MODELS, fetch
 
 
 class FiniteFloatRange(click.FloatRange):
-    """click.FloatRange that also refuses nan and inf (nan passes every range comparison)."""
+    """click.FloatRange that also refuses nan and inf (nan passes every range comparison), and compares a
+    value given as text exactly: 1.00000000000000001 is above 1, though it reads as the float 1.0."""
 
     def convert(self, value, param, ctx):
         number = click.FLOAT.convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
-        return super().convert(number, param, ctx)
+        number = super().convert(number, param, ctx)
+        try:
+            exact = Decimal(value.strip()) if isinstance(value, str) else None
+        except InvalidOperation:
+            exact = None
+        if exact is not None and not self._in_range(exact):
+            self.fail(f"{value} is not in the range {self._describe_range()}.", param, ctx)
+        return number
+
+    def _in_range(self, x: Decimal) -> bool:
+        lo = self.min is None or (x > Decimal(self.min) if self.min_open else x >= Decimal(self.min))
+        hi = self.max is None or (x < Decimal(self.max) if self.max_open else x <= Decimal(self.max))
+        return lo and hi
 
 
 def threads_type() -> click.IntRange:

@@ -1,11 +1,19 @@
 """`sparq-cpp serve`: llama.cpp's OpenAI-compatible server (llama-server of the patched build) with
-SparQ or Loki, its settings checked before the server starts."""
+SparQ or Loki, its settings checked before the server starts; safe by default (no cross-origin access
+without an API key unless asked; a warning for the options that expose files or run tools); it stops
+within a few seconds of SIGTERM or Ctrl-C, requests in flight or not."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import ipaddress
 import os
+import signal
 import socket
+import subprocess
 import sys
+import time
 
 import click
 
@@ -43,7 +51,24 @@ _CHECKED = {
     "-fa": "-fa", "--flash-attn": "-fa", "-t": "-t", "--threads": "-t",
     "--host": "--host", "--port": "--port",
     "--sparse-attn": "--attn and its settings",  # llama.cpp's own spelling of LLAMA_SPARSE_ATTN
+    "--cors-origins": "--cors",
 }
+
+# llama-server options (and the environment variables that set them) that let whoever can send the server a
+# request read files or run commands on this machine: what each exposes, for the warning.
+_EXPOSING = {
+    "--tools": ("LLAMA_ARG_TOOLS", "built-in tools that read and write files and run shell commands"),
+    "--agent": ("LLAMA_ARG_AGENT", "every built-in tool (files, shell commands) and the MCP CORS proxy"),
+    "-ag": ("LLAMA_ARG_AGENT", "every built-in tool (files, shell commands) and the MCP CORS proxy"),
+    "--mcp-servers-config": ("LLAMA_ARG_MCP_SERVERS_CONFIG", "the tools of MCP servers"),
+    "--mcp-servers-json": ("LLAMA_ARG_MCP_SERVERS_JSON", "the tools of MCP servers"),
+    "--ui-mcp-proxy": ("LLAMA_ARG_UI_MCP_PROXY", "a proxy that fetches any URL for the caller"),
+    "--webui-mcp-proxy": ("LLAMA_ARG_UI_MCP_PROXY", "a proxy that fetches any URL for the caller"),
+    "--path": ("LLAMA_ARG_STATIC_PATH", "every file under the folder, as static files"),
+}
+_API_KEY_OPTIONS = ("--api-key", "--api-key-file")
+_API_KEY_ENV = ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")
+_OFF = ("", "0", "false", "off", "no")  # an environment variable set to one of these leaves the option off
 
 
 def check_forwarded(extra) -> None:
@@ -54,6 +79,77 @@ def check_forwarded(extra) -> None:
         if name in _CHECKED:
             raise SparqError(f"{name} after `--` would override a setting sparq-cpp serve checks; give it as "
                              f"sparq-cpp serve's own {_CHECKED[name]} (before `--`)")
+
+
+def _option_values(extra, names) -> list[tuple[str, str | None]]:
+    """(name, value) of each of the options `names` in the arguments after `--`, as --name VALUE or
+    --name=VALUE (value None for a flag, or an option given last without its value)."""
+    out = []
+    for i, arg in enumerate(extra):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            nxt = extra[i + 1] if i + 1 < len(extra) else None
+            out.append((name, value if eq else nxt if nxt is not None and not nxt.startswith("-") else None))
+    return out
+
+
+def has_api_key(extra, env) -> bool:
+    """Whether llama-server will require an API key: --api-key/--api-key-file after `--`, or their variables."""
+    return bool(_option_values(extra, _API_KEY_OPTIONS)) or any(env.get(v) for v in _API_KEY_ENV)
+
+
+def cors_args(cors: str | None, extra, env) -> list:
+    """The CORS option for llama-server. Its default lets any web page the user opens call the API (every
+    origin, with credentials); without an API key that includes saving, restoring and erasing slots. So
+    without --api-key only the pages of this machine (a localhost Origin) get an Access-Control-Allow-Origin
+    header, unless --cors asks for more; with a key, llama-server's default stands. LLAMA_ARG_CORS_ORIGINS
+    set in the environment is the user's own choice, and stands too."""
+    if cors is not None:
+        if not cors.strip():
+            raise SparqError("--cors: give the origins allowed to call the server (e.g. https://app.example.com, "
+                             "a comma-separated list, localhost or *)")
+        return ["--cors-origins", cors]
+    if has_api_key(extra, env) or env.get("LLAMA_ARG_CORS_ORIGINS"):
+        return []
+    return ["--cors-origins", "localhost"]
+
+
+def exposure_warnings(extra, env, host: str, cors: str | None) -> list[str]:
+    """Warnings for what the server exposes beyond the model: the options after `--` (and the environment
+    variables) that read files or run commands for whoever sends a request, a --host other than loopback
+    without an API key, and --cors * without one. llama-server does as the user asked; serve says what it
+    means (as llama.cpp's own help does for these options), and refuses none of them."""
+    keyed = has_api_key(extra, env)
+    who = ("whoever holds the API key" if keyed else
+           "any process of this machine (no API key is set)" if _loopback(host) else
+           f"anyone who can reach {host} (no API key is set)")
+    warnings, seen = [], set()
+    found = [(name, value, f"{name} {value}" if value is not None else name)
+             for name, value in _option_values(extra, tuple(_EXPOSING))]
+    found += [(name, env[var], f"{var}={env[var]}") for name, (var, _) in _EXPOSING.items()
+              if env.get(var, "").strip().lower() not in _OFF]
+    for name, value, shown in found:
+        var, what = _EXPOSING[name]
+        if var in seen:  # -ag and --agent, or an option and its variable: once
+            continue
+        seen.add(var)
+        warnings.append(f"{shown} gives {who} {what}" +
+                        ("" if name == "--path" else "; llama.cpp marks it experimental, not for untrusted use"))
+    if not _loopback(host) and not keyed:
+        warnings.append(f"--host {host} without an API key (-- --api-key KEY): anyone who can reach it can use "
+                        "the server, its slots included")
+    if cors is not None and "*" in cors.split(",") and not keyed:
+        warnings.append("--cors * without an API key: any web page the user opens can call the server")
+    return warnings
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -79,9 +175,10 @@ def server_ctx(summary, ctx_size, parallel) -> int:
 
 
 def server_command(path, attention, *, host, port, ctx_size, parallel, threads, cache_type_k="f16",
-                   cache_type_v="f16", flash_attn="auto", extra=()) -> tuple:
+                   cache_type_v="f16", flash_attn="auto", extra=(), cors=None) -> tuple:
     """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
-    context creation would fail on (model, settings, projection) and of the options after `--`."""
+    context creation would fail on (model, settings, projection) and of the options after `--`; the
+    CORS origins as cors_args chooses them."""
     check_forwarded(extra)
     summary = check_gguf(path)
     if not isinstance(attention, Dense):
@@ -112,7 +209,72 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
     value = sparse_attn_env(attention)
     if value is not None:
         env["LLAMA_SPARSE_ATTN"] = value
-    return argv + list(extra), env
+    return argv + list(extra) + cors_args(cors, extra, env), env
+
+
+# After SIGTERM or SIGINT, the seconds llama-server gets to stop on its own. It stops its generation at
+# once, but it waits for the HTTP requests in flight to end, and a client streaming or waiting for a reply
+# holds it until the client gives up. Then it gets llama-server's own "second signal" (exit now) and, if
+# that hangs too, SIGKILL after _KILL_S more.
+_GRACE_S = 3.0
+_KILL_S = 2.0
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _server_child_setup() -> None:
+    """In the server's process before it starts: its own process group, so that a Ctrl-C in the terminal
+    reaches serve alone, which passes it on once (llama-server takes a second one as "exit now"); and on
+    Linux, SIGKILL when serve dies, so that `kill -9` of serve ends the server too."""
+    os.setpgid(0, 0)
+    if _LIBC is not None:
+        parent = os.getppid()
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # serve died before the prctl took effect
+            os._exit(1)
+
+
+def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S) -> int:
+    """Run llama-server and return its exit status, passing SIGTERM, SIGINT and SIGHUP on to it. Once
+    signalled, it gets grace_s to exit; then llama-server's second signal (it exits at once), then SIGKILL
+    after kill_s more; the status is then 128 + the first signal, as for a process the signal ended."""
+    first: dict = {}
+    started: list = []
+
+    def forward(signum, frame):
+        first.setdefault("signal", signum)
+        first.setdefault("at", time.monotonic())
+        for proc in started:  # a signal before the start is passed on once it has started
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)  # a user's second Ctrl-C goes on too: llama-server's "exit now"
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    proc = subprocess.Popen(argv, env=env, preexec_fn=_server_child_setup)
+    started.append(proc)
+    if "signal" in first:
+        proc.send_signal(first["signal"])
+    forced = False
+    while True:
+        try:
+            rc = proc.wait(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if "at" not in first:
+            continue
+        waited = time.monotonic() - first["at"]
+        if waited > grace_s and not forced:
+            forced = True
+            click.echo(f"the server did not stop within {grace_s:.0f} s of {signal.Signals(first['signal']).name} "
+                       "(a request in flight held it); ending it", err=True)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        elif waited > grace_s + kill_s:
+            proc.kill()
+    if forced:
+        return 128 + first["signal"]
+    return 128 - rc if rc < 0 else rc
 
 
 class _ServeCommand(click.Command):
@@ -141,9 +303,13 @@ class _ServeCommand(click.Command):
 @cache_type_options
 @flash_attn_option
 @attention_options
+@click.option("--cors", default=None, metavar="ORIGINS",
+              help="Web origins allowed to call the server from a browser (comma-separated, localhost, or *). "
+                   "Default without an API key (-- --api-key KEY): pages of this machine only; with one, "
+                   "llama-server's default (any origin).")
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
 def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_type_v, cache_type, flash_attn, attn,
-            ratio, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c, print_command):
+            ratio, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c, cors, print_command):
     """Serve a model over HTTP with OpenAI-style /v1/chat/completions and /v1/completions (llama-server),
     with SparQ, Loki or ALISA attention, its settings checked first. Options after `--` go to llama-server
     as they are (e.g. `-- --alias mymodel --metrics`), except those that would replace a checked setting."""
@@ -173,7 +339,9 @@ def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_
             click.echo(f"warning: {warning}", err=True)
     argv, env = server_command(path, attention, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                                threads=threads, cache_type_k=type_k, cache_type_v=type_v, flash_attn=flash_attn,
-                               extra=server_args)
+                               extra=server_args, cors=cors)
+    for warning in exposure_warnings(server_args, env, host, cors):
+        click.echo(f"warning: {warning}", err=True)
     setting = env.get("LLAMA_SPARSE_ATTN", "dense")
     if print_command:
         click.echo(f"LLAMA_SPARSE_ATTN={setting} " + " ".join(argv))
@@ -183,4 +351,4 @@ def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_
                "GET /props reports it as sparse_attn", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, env)  # the server takes over this process: signals and exit status are its own
+    sys.exit(run_server(argv, env))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 from sparq_cpp import transfer
@@ -243,12 +244,30 @@ def _parse_auto(text: str) -> Auto:
     return Auto(**kw)
 
 
+def _written(text: str, key: str) -> str | None:
+    """The value of `key` as written in a setting string that llama.cpp's parser accepted."""
+    for item in text.partition(":")[2].split(","):
+        name, eq, value = item.partition("=")
+        if name == key and eq:
+            return value
+    return None
+
+
+def _exceeds(written: str, parsed: float, bound) -> bool:
+    """Whether the number as written is above `bound`, exactly: llama.cpp reads it as a float32, which rounds
+    1.0000001 down to 1. Hex floats and the like, which Decimal does not read, are compared as parsed."""
+    try:
+        return Decimal(written.strip()) > bound
+    except InvalidOperation:
+        return parsed > bound
+
+
 def parse_attention(text: str) -> Attention | Auto:
     """Settings from a string as llama.cpp reads it (the tools' --sparse-attn, LLAMA_SPARSE_ATTN):
     "sparq:r=8,k=32", "loki:d=32,k=128,proj=model.loki.gguf", "alisa:c=0.125", "dense"; keys left out keep
     their defaults. Parsed by llama.cpp itself (llama_sparse_attn_parse), so both read it the same way.
     Keys: sparq r, k, l, sink, mv (1/0), min_n_kv, prompt (dense|sparse); loki d, k, l, sink, min_n_kv, prompt, proj,
-    variant (post|pre); alisa c, min_n_kv. No spaces, each key once. "auto:ratio=0.125[,proj=FILE]" is this
+    variant (post|pre); alisa c (in (0, 1], compared as written), min_n_kv. No spaces, each key once. "auto:ratio=0.125[,proj=FILE]" is this
     package's own (sparq_cpp.auto resolves it when the model is opened)."""
     if not isinstance(text, str):
         raise SparqError(f"attention spec must be a string, got {text!r}")
@@ -264,5 +283,9 @@ def parse_attention(text: str) -> Attention | Auto:
         return Loki(d=p.d, k=p.k, l=p.l, projection=proj, variant="pre" if p.loki_pre_rope else "post",
                     min_n_kv=p.min_n_kv, sparse_prompt=prompt, sink=p.sink)
     if p.mode == sparse_api.LLAMA_SPARSE_ATTN_ALISA:
+        written = _written(text, "c")
+        if written is not None and _exceeds(written, p.c, 1):
+            raise SparqError(f"attention spec {text!r}: c must be at most 1 (ALISA's caching ratio, a share of the "
+                             f"positions in (0, 1]), got {written}")
         return ALISA(c=float(f"{p.c:.7g}"), min_n_kv=p.min_n_kv)  # c as written, not its float32 neighbour
     return Dense()

@@ -4,6 +4,7 @@ import time, so a test file can import from it before or after its own skip."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,23 @@ def assert_one_line_error(proc, *needles):
     assert len(lines) == 1, err
     for n in needles:
         assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 KiB tmpfs at tmp_path/fs (a full or, remounted, read-only file system), unmounted after the
+    test; the test is skipped where mounting is not allowed (not root, a container without the right)."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 SERVER_N_CTX = 1024

@@ -22,6 +22,8 @@ from sparq_cpp.attention import parse_attention
     ("sparq:r=8,k=32,sink=1", SparQ(r=8, k=32, sink=1)),
     ("loki:d=32,k=128,sink=4", Loki(d=32, k=128, sink=4)),
     ("alisa:c=0.25", ALISA(c=0.25)),
+    ("alisa:c=1", ALISA(c=1.0)),
+    ("alisa:c=1e0,min_n_kv=4", ALISA(c=1.0, min_n_kv=4)),
 ])
 def test_attention_spec_strings(spec, want):
     pytest.importorskip("llama_cpp")
@@ -37,6 +39,10 @@ def test_attention_spec_strings(spec, want):
     ("sparq:mv=yes", "invalid value 'yes' for key 'mv' (expected 0 or 1)"),
     ("loki:prompt=all", "invalid value 'all' for key 'prompt' (expected 'dense' or 'sparse')"),
     ("alisa:c=0", "c must be"),
+    # c is a share of the positions: at most 1, exactly (llama.cpp reads 1.0000001 as the float32 1.0)
+    ("alisa:c=1.0000001", "c must be at most 1 (ALISA's caching ratio, a share of the positions in (0, 1]), got 1.0000001"),
+    ("alisa:c=1.00000000000000001", "got 1.00000000000000001"),
+    ("alisa:min_n_kv=0,c=2", "c must be at most 1"),
     ("alisa:k=4", "key 'k' is not for alisa (expected c or min_n_kv)"),
     ("alisa:sink=1", "key 'sink' is not for alisa (expected c or min_n_kv)"),
     ("sparq:sink=x", "invalid value 'x' for key 'sink' (expected an integer)"),

@@ -104,6 +104,7 @@ def test_every_position_selected_gives_dense_text(model, tmp_path):
     (["--sparq-r", "65"], "r must be in 1..64"),
     (["--k", "0"], "k must be >= 1"),
     (["--alisa-c", "2"], "0<x<=1"),
+    (["--alisa-c", "1.00000000000000001"], "0<x<=1"),  # above 1, though it reads as the float 1.0
     (["--port", "70000"], "--port must be in 1..65535"),
     (["--d", "8", "--r", "8"], "pick one --attn"),
     (["-fa", "off", "--r", "8"], "needs flash attention"),

@@ -40,6 +40,8 @@ def write_tokenizer(out: Path, n_vocab: int) -> None:
 def save(model: LlamaForCausalLM, out, extra: dict | None = None) -> Path:
     """Write the checkpoint directory `out` (replacing it whole, so a reader never sees half)."""
     out = Path(out)
+    if out.exists() and (out.is_symlink() or not out.is_dir()):  # a device, a file: never moved aside
+        raise SparqError(f"--out: {out} exists and is not a directory; a checkpoint is written as a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
