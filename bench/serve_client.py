@@ -166,15 +166,35 @@ async def run_users(base_url: str, conversations: list, *, max_tokens: int, time
 
 def union_seconds(intervals) -> float:
     """The length of the union of (start, end) intervals."""
-    total, end = 0.0, None
+    return sum(b - a for a, b in merged(intervals))
+
+
+def merged(intervals) -> list:
+    """The union of (start, end) intervals as disjoint sorted intervals."""
+    out = []
     for a, b in sorted((a, b) for a, b in intervals if b > a):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(x) for x in out]
+
+
+def minus(intervals, holes) -> list:
+    """The union of `intervals` without the union of `holes`, as disjoint sorted intervals."""
+    out, holes = [], merged(holes)
+    for a, b in merged(intervals):
+        for h0, h1 in holes:
+            if h1 <= a or h0 >= b:
+                continue
+            if h0 > a:
+                out.append((a, h0))
+            a = max(a, h1)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def percentiles(values, qs=(50, 95, 99)) -> dict:
@@ -193,6 +213,8 @@ def summarize(replies: list, wall_s: float) -> dict:
 
     decode_tokens_per_s: the tokens after each reply's first, over the time some reply was decoding (the union of
     [first token, last token] over replies): the rate the users get together while the server decodes.
+    decode_only_tokens_per_s: the same over the part of that time when no request was waiting for its first token
+    (no prompt in the server's batch): the decode rate without the stalls prompts cause, None when there was none.
     output_tokens_per_s: every generated token over the phase's wall time (prompts included).
     prompt_tokens_per_s: the prompt tokens the server processed (cached ones left out) over the time some request
     waited for its first token.
@@ -204,7 +226,11 @@ def summarize(replies: list, wall_s: float) -> dict:
     decode_time = union_seconds((r.token_times[0], r.token_times[-1]) for r in timed)
     prompt_n = sum(int(r.timings.get("prompt_n", 0)) for r in ok)
     cache_n = sum(int(r.timings.get("cache_n", 0)) for r in ok)
-    prompt_time = union_seconds((r.t_send, r.t_first) for r in timed)
+    prompt_windows = [(r.t_send, r.t_first) for r in timed]
+    prompt_time = union_seconds(prompt_windows)
+    quiet = minus([(r.token_times[0], r.token_times[-1]) for r in timed], prompt_windows)
+    quiet_time = sum(b - a for a, b in quiet)
+    quiet_tokens = sum(any(a < t <= b for a, b in quiet) for r in timed for t in r.token_times[1:])
     gaps = [g for r in timed for g in r.gaps]
     itl = percentiles(gaps, (50, 99))
     with_timings = [r for r in ok if "cache_n" in r.timings]
@@ -214,6 +240,8 @@ def summarize(replies: list, wall_s: float) -> dict:
         "requests": len(replies), "failed": len(failed), "errors": failed,
         "generated_tokens": sum(r.n_tokens for r in ok),
         "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else None,
+        "decode_only_tokens_per_s": quiet_tokens / quiet_time if quiet_time > 0 else None,
+        "decode_only_s": quiet_time,
         "output_tokens_per_s": sum(r.n_tokens for r in ok) / wall_s if wall_s > 0 else None,
         "wall_s": wall_s,
         "ttft_s": percentiles([r.ttft for r in timed], (50, 95)),

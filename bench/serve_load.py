@@ -7,7 +7,7 @@ server's own tokens), a first turn that asks about it, then follow-up turns that
 which the server takes from the slot's prompt cache. Answers are streamed at temperature 0, every one
 --max-tokens long (end of text ignored), so that every mode decodes the same number of tokens.
 
-Per (depth, N, mode) the report gives aggregate decode tokens/s, TTFT p50/p95, inter-token latency p50/p99,
+Per (depth, N, mode) the report gives aggregate decode tokens/s (also over the time no prompt waited), TTFT p50/p95, inter-token latency p50/p99,
 prompt tokens/s, the server's peak RSS (VmHWM), the caches one user costs (the serve estimate), and the share of
 requests served from the prompt cache, with every failed request and its error. The server restarts for every
 (depth, N, mode) so that its peak RSS is that setting's; the users of one N get the same documents in every mode.
@@ -346,9 +346,10 @@ def _ms(x) -> str:
 
 def phase_line(r: dict) -> str:
     t, i = r["ttft_s"], r["itl_s"]
-    dec = r["decode_tokens_per_s"]
+    dec, quiet = r["decode_tokens_per_s"], r["decode_only_tokens_per_s"]
     return (f"{r['mode']} S={fmt_depth(r['depth'])} users={r['users']}: decode "
-            f"{'-' if dec is None else f'{dec:.1f}'} tok/s, TTFT p50 {_ms(t.get('p50'))} ms, ITL p50/p99 "
+            f"{'-' if dec is None else f'{dec:.1f}'} tok/s ({'-' if quiet is None else f'{quiet:.1f}'} with no prompt "
+            f"waiting), TTFT p50 {_ms(t.get('p50'))} ms, ITL p50/p99 "
             f"{_ms(i.get('p50'))}/{_ms(i.get('p99'))} ms, peak RSS {fmt_bytes(r['peak_rss_bytes'] or 0)}"
             + (f", {r['failed']} failed" if r["failed"] else ""))
 
@@ -358,17 +359,18 @@ def format_table(doc: dict) -> str:
     cfg = doc["config"]
     lines = [f"{Path(m['path']).name}: {mach['cpu_model']}, {mach['threads']} threads; {cfg['turns']} turns of "
              f"{cfg['max_tokens']} tokens per user, streamed",
-             "decode: tokens/s of all users together while decoding; TTFT/ITL in ms; prompt: tokens/s processed; "
+             "decode: tokens/s of all users together while decoding (no-prompt: while no prompt waited); TTFT/ITL in ms; prompt: tokens/s processed; "
              "cached: share of follow-up requests served from the prompt cache; KV/user: the caches one slot holds",
-             f"{'S':>5} {'users':>5}  {'mode':<11} {'decode':>7} {'TTFT p50':>8} {'p95':>7} {'ITL p50':>7} "
+             f"{'S':>5} {'users':>5}  {'mode':<11} {'decode':>7} {'no-prompt':>9} {'TTFT p50':>8} {'p95':>7} {'ITL p50':>7} "
              f"{'p99':>6} {'p99/p50':>7} {'prompt':>7} {'cached':>6} {'peak RSS':>10} {'KV/user':>9} {'failed':>6}"]
     for r in doc["results"]:
         t, i, pc = r["ttft_s"], r["itl_s"], r["prompt_cache"]
         dec, pr, ratio = r["decode_tokens_per_s"], r["prompt_tokens_per_s"], r["itl_p99_over_p50"]
+        quiet = r["decode_only_tokens_per_s"]
         cached = pc["followups_from_cache"]
         lines.append(
             f"{fmt_depth(r['depth']):>5} {r['users']:>5}  {r['mode']:<11} {'-' if dec is None else f'{dec:.1f}':>7} "
-            f"{_ms(t.get('p50')):>8} {_ms(t.get('p95')):>7} {_ms(i.get('p50')):>7} {_ms(i.get('p99')):>6} "
+            f"{'-' if quiet is None else f'{quiet:.1f}':>9} {_ms(t.get('p50')):>8} {_ms(t.get('p95')):>7} {_ms(i.get('p50')):>7} {_ms(i.get('p99')):>6} "
             f"{'-' if ratio is None else f'{ratio:.2f}':>7} {'-' if pr is None else f'{pr:.0f}':>7} "
             f"{'-' if cached is None else f'{100 * cached:.0f}%':>6} {fmt_bytes(r['peak_rss_bytes'] or 0):>10} "
             f"{fmt_bytes(r['kv_bytes_per_user']):>9} {r['failed']:>6}")
@@ -376,7 +378,8 @@ def format_table(doc: dict) -> str:
 
 
 def plot(doc: dict, out_path) -> None:
-    """Aggregate decode tokens/s and inter-token latency p99 against users, one line per (mode, depth)."""
+    """Aggregate decode tokens/s (dashed: while no prompt waited) and inter-token latency p99 against users, one
+    line per (mode, depth)."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     series = {}
@@ -385,7 +388,9 @@ def plot(doc: dict, out_path) -> None:
     for (mode, depth), rows in series.items():
         rows = sorted(rows, key=lambda r: r["users"])
         label = f"{mode} S={fmt_depth(depth)}"
-        ax1.plot([r["users"] for r in rows], [r["decode_tokens_per_s"] or 0 for r in rows], "o-", label=label)
+        line, = ax1.plot([r["users"] for r in rows], [r["decode_tokens_per_s"] or 0 for r in rows], "o-", label=label)
+        ax1.plot([r["users"] for r in rows], [r["decode_only_tokens_per_s"] or 0 for r in rows], "s--",
+                 color=line.get_color(), alpha=0.6, label=f"{label}, no prompt waiting")
         ax2.plot([r["users"] for r in rows], [1e3 * r["itl_s"].get("p99", 0) for r in rows], "o-", label=label)
     users = sorted({r["users"] for r in doc["results"]})
     for ax, what in ((ax1, "aggregate decode tokens/s"), (ax2, "inter-token latency p99 (ms)")):

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("httpx")
-from sparq_cpp.bench.serve_client import Conversation, Reply, run_users, stream_chat, summarize, union_seconds  # noqa: E402
+from sparq_cpp.bench.serve_client import (Conversation, Reply, minus, run_users, stream_chat, summarize,
+                                             union_seconds)  # noqa: E402
 from sparq_cpp.bench.serve_load import failures  # noqa: E402
 from sparq_cpp.bindings import sparse_api  # noqa: E402
 from sparq_cpp.cli.main import cli  # noqa: E402
@@ -138,6 +139,10 @@ def test_latency_accounting_on_known_timings():
     assert s["errors"] == [{"user": 1, "turn": 1, "status": 500, "error": "HTTP 500: boom"}]
     # tokens after each first one: 2 + 3 + 1 = 6, over the union of [1.0, 2.0], [1.5, 3.0], [2.4, 2.6] = 2.0 s
     assert s["decode_tokens_per_s"] == pytest.approx(3.0)
+    # without a prompt waiting: [1.5, 2.2] and [2.4, 3.0] (c's prompt waits in [2.2, 2.4]); the tokens after a first
+    # one in them: a's 2.0, b's 2.0, 2.5, 3.0 and c's 2.6
+    assert s["decode_only_s"] == pytest.approx(1.3)
+    assert s["decode_only_tokens_per_s"] == pytest.approx(5 / 1.3)
     assert s["output_tokens_per_s"] == pytest.approx(9 / 4.0) and s["generated_tokens"] == 9
     assert s["ttft_s"]["p50"] == pytest.approx(1.0) and s["ttft_s"]["max"] == pytest.approx(1.5)
     assert s["ttft_by_turn_s"]["1"]["p50"] == pytest.approx(0.2)
@@ -148,6 +153,7 @@ def test_latency_accounting_on_known_timings():
     assert s["prompt_cache"] == {"requests_from_cache": pytest.approx(1 / 3), "followups_from_cache": 1.0,
                                  "cached_token_share": pytest.approx(1010 / 3020)}
     assert union_seconds([(0, 1), (0.5, 2), (3, 4), (5, 5)]) == pytest.approx(3.0)
+    assert minus([(0, 4), (5, 8)], [(1, 2), (3, 6), (7, 9)]) == [(0, 1), (2, 3), (6, 7)]
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -233,7 +239,7 @@ def test_smollm2_users_and_modes(tmp_path):
     assert set(rows) == {("dense", 1), ("dense", 4), ("sparq", 1), ("sparq", 4)}
     for (mode, users), r in rows.items():
         assert r["failed"] == 0 and r["requests"] == 2 * users and r["depth"] == 4096
-        assert r["decode_tokens_per_s"] > 0 and r["prompt_tokens_per_s"] > 0 and r["generated_tokens"] == 32 * users
+        assert r["decode_tokens_per_s"] > 0 and r["decode_only_tokens_per_s"] > 0 and r["prompt_tokens_per_s"] > 0 and r["generated_tokens"] == 32 * users
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p95"] and 0 < r["itl_s"]["p50"] <= r["itl_s"]["p99"]
         assert r["prompt_cache"]["followups_from_cache"] == 1.0  # every second turn continued from its slot
         assert all(4096 - 64 <= n <= 4096 + 64 for n in r["depth_tokens"]), r["depth_tokens"]
