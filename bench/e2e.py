@@ -350,7 +350,7 @@ def _run_group(path, shape, modes: list, cfg: BenchConfig, depth: int, fills: li
     return out
 
 
-def _build_record() -> dict | None:
+def build_record() -> dict | None:
     rec = installed_build()
     if rec is None:
         return None
@@ -415,7 +415,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     bw = machine.measure_bandwidth(cfg.threads, cfg.bandwidth_bytes)
     log(f"bandwidth {bw['best_gbs']:.1f} GB/s best, {bw['median_gbs']:.1f} median of {len(bw['passes_gbs'])} passes "
         f"({bw['method']}, {fmt_bytes(bw['buffer_bytes'])})")
-    build = _build_record()
+    build = build_record()
     lib = _library()
     log(f"build     {build['key'] if build else 'none recorded (stock llama-cpp-python?)'}; libllama {lib.get('libllama')}"
         + (" (LLAMA_CPP_LIB_PATH overrides the installed build)" if lib.get("LLAMA_CPP_LIB_PATH") else ""))

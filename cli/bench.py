@@ -1,17 +1,25 @@
-"""`sparq-cpp bench`: end-to-end time per token against sequence length S, dense vs sparse attention."""
+"""`sparq-cpp bench`: end-to-end time per token against sequence length S, dense vs sparse attention; and
+`sparq-cpp bench serve`: many users at long context on the OpenAI-compatible server."""
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import click
+from click.core import ParameterSource
 
 from sparq_cpp.bench.compare import RERUN_TOL, compare, format_comparison, load
 from sparq_cpp.bench.e2e import run
 from sparq_cpp.bench.e2e_config import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, parse_depths
 from sparq_cpp.bench.e2e_report import format_table
-from sparq_cpp.cli.options import THREADS_HELP, FiniteFloatRange, progress_enabled, progress_option, threads_type
+from sparq_cpp.bench import serve_load
+from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, model_option, progress_enabled, progress_option,
+                                   resolve_model, threads_type)
+from sparq_cpp.errors import SparqError
 from sparq_cpp.modelfactory import PRESETS, WTYPES
 
 
-@click.command("bench")
+@click.group("bench", invoke_without_command=True)
 @click.option("-m", "--model", "--gguf", "model", type=click.Path(dir_okay=False), default=None,
               help="GGUF to time (default: a synthetic Llama 2 7B-shaped model, written once and cached).")
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="llama2-7b", show_default=True,
@@ -67,12 +75,24 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--block", type=click.IntRange(min=1), default=4, show_default=True,
               help="Interleaved: steps of one mode per turn, after one untimed step that pays for the switch.")
 @progress_option
-def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sink, loki_pca, mean_value, repeats, rounds, warmup, threads,
+@click.pass_context
+def command(ctx, model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sink, loki_pca, mean_value, repeats, rounds, warmup, threads,
             fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
             max_extra_steps, wait_quiet, interleave, block, progress):
     """Time decoding one token at a time from depth S for each mode, as generation runs it (median and IQR
     of steady steps), with the bytes each token reads, the machine's read bandwidth and the speed-up bound;
-    the first step after filling the cache and a step right after removing the last token are reported apart."""
+    the first step after filling the cache and a step right after removing the last token are reported apart.
+
+    `sparq-cpp bench serve` (its own options: `sparq-cpp bench serve -h`) loads the OpenAI-compatible server
+    with many users at long context instead."""
+    if ctx.invoked_subcommand is not None:
+        given = [p.opts[0] for p in ctx.command.params
+                 if ctx.get_parameter_source(p.name) not in (ParameterSource.DEFAULT, None)]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to `sparq-cpp bench` "
+                                   f"itself, not to `bench {ctx.invoked_subcommand}`; give "
+                                   f"`bench {ctx.invoked_subcommand}` its own options after its name")
+        return
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
                       r=r, k=k, l=l, d=d, loki_l=loki_l, sink=sink, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
@@ -94,3 +114,69 @@ def command(model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sin
 def compare_command(run_a, run_b, tolerance):
     """Compare the step times and speed-ups of two `sparq-cpp bench --json` runs (a rerun, or interleaved against --no-interleave)."""
     click.echo(format_comparison(compare(load(run_a), load(run_b), tolerance), tolerance))
+
+
+@command.command("serve")
+@model_option("GGUF model file, or a known model name (smollm2-135m); default: the demo model, "
+              "models/austen.q8_0.gguf.")
+@click.option("--users", default="1,4", show_default=True,
+              help="Comma-separated numbers of concurrent users (a server with that many slots for each).")
+@click.option("--depth", "depths", default="4k", show_default=True,
+              help="Comma-separated tokens of each user's document (k = 1024).")
+@click.option("--modes", default=serve_load.DEFAULT_MODES, show_default=True,
+              help=f"Comma-separated, from: {', '.join(serve_load.SERVE_MODES)} (dense: -fa auto; the others as in "
+                   "`sparq-cpp bench`).")
+@click.option("--turns", type=int, default=2, show_default=True,
+              help="Turns per user: the document and a question, then follow-ups served from the prompt cache.")
+@click.option("--max-tokens", type=int, default=64, show_default=True,
+              help="Tokens of every answer (the end of text is ignored, so that every mode decodes as many).")
+@click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
+@click.option("--text", type=click.Path(dir_okay=False), default=None,
+              help="UTF-8 text the users' documents are cut from, one passage each (default: Jane Austen's "
+                   "novels, fetched once with apt-get).")
+@click.option("--sparq-r", "--r", "r", type=int, default=None, help="SparQ: query components used for ranking [serve's].")
+@click.option("--sparse-k", "--k", "k", type=int, default=None, help="SparQ/Loki: positions attended [serve's].")
+@click.option("--sparse-l", "--l", "l", type=int, default=None, help="SparQ/Loki: most recent positions kept [serve's].")
+@click.option("--sparse-sink", "--sink", "sink", type=int, default=None, help="SparQ/Loki: first positions kept [serve's].")
+@click.option("--loki-d", "--d", "d", type=int, default=None, help="Loki: principal components used [serve's].")
+@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
+              help="Loki: projection GGUF (default: serve's, <model stem>.loki.gguf next to the model).")
+@click.option("--request-timeout", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds a request may take; a request that runs out is a failed request.")
+@click.option("-o", "--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every request's timings, the machine, the build and the command here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG: decode tokens/s and inter-token p99 against users (default with -o: beside it).")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep each server's log here (server-PORT.log).")
+@progress_option
+def serve_command(model, users, depths, modes, turns, max_tokens, threads, text, r, k, l, sink, d, loki_pca,
+                  request_timeout, json_path, plot_path, log_dir, progress):
+    """Load the OpenAI-compatible server (started through `sparq-cpp serve`, once per number of users and mode)
+    with concurrent users, each in its own streamed conversation over its own long document, follow-up turns
+    reusing the prompt cache. Reports per mode and number of users: aggregate decode tokens/s, time to first
+    token p50/p95, inter-token latency p50/p99, prompt tokens/s, the server's peak RSS, the caches one user
+    costs and the share of requests served from the prompt cache. A failed request is reported with the
+    server's error and fails the run (after the JSON is written)."""
+    sparse = []
+    for flag, value in (("--sparq-r", r), ("--sparse-k", k), ("--sparse-l", l), ("--sparse-sink", sink),
+                        ("--loki-d", d), ("--loki-pca", loki_pca)):
+        if value is not None:
+            sparse += [flag, str(Path(value).resolve()) if flag == "--loki-pca" else str(value)]
+    if plot_path is None and json_path is not None:
+        plot_path = str(Path(json_path).with_suffix(".png"))
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    cfg = serve_load.ServeBenchConfig(
+        model=None, users=users, depths=depths, modes=modes, turns=turns, max_tokens=max_tokens,
+        threads=threads, text=text, sparse=tuple(sparse), request_timeout=request_timeout, json_path=json_path,
+        plot_path=plot_path, log_dir=log_dir, progress=progress_enabled(progress))
+    cfg = dataclasses.replace(serve_load.validate(cfg), model=resolve_model(model))  # settings first, then the model
+    doc = serve_load.run(cfg, log=lambda s: click.echo(s, err=True))
+    click.echo(serve_load.format_table(doc))
+    for path, what in ((doc["config"]["json_path"], "json"), (doc["config"]["plot_path"], "plot")):
+        if path:
+            click.echo(f"{what}: {path}", err=True)
+    failed = serve_load.failures(doc)
+    if failed:
+        raise SparqError(failed)

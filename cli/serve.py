@@ -20,6 +20,9 @@ import click
 from sparq_cpp import system
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, spec
 from sparq_cpp.auto import known_poor, resolve
+from sparq_cpp.bench.e2e_config import fmt_bytes
+from sparq_cpp.bench.e2e_memory import server_estimate
+from sparq_cpp.bench.transfer_model import shape_from_gguf
 from sparq_cpp.cli.generate import attention_from_options
 from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_for,
                                    flash_attn_option, model_option, resolve_model, threads_type)
@@ -277,6 +280,39 @@ def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S) ->
     return 128 - rc if rc < 0 else rc
 
 
+def memory_estimate(path, attention, argv) -> dict:
+    """What the llama-server of `argv` (from server_command) needs in memory for `attention`, by part
+    (bench.e2e_memory.server_estimate): weights, KV, SparQ's K^T, ALISA's window, compute."""
+    opt = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("-")}
+    return server_estimate(shape_from_gguf(path), kind=attention.name, n_ctx=int(opt["-c"]),
+                           n_parallel=int(opt["-np"]), type_k=opt["-ctk"], type_v=opt["-ctv"],
+                           flash_attn=opt["-fa"] != "off",  # auto: on, on a CPU
+                           alisa_c=attention.c if isinstance(attention, ALISA) else None)
+
+
+def memory_lines(est: dict, n_parallel: int) -> list:
+    """The estimate as the lines `serve` prints before it starts the server."""
+    parts = [f"weights {fmt_bytes(est['weights'])}", f"KV {fmt_bytes(est['kv_cache'])}"]
+    if est["k_transposed"]:
+        parts.append(f"SparQ's K^T {fmt_bytes(est['k_transposed'])}")
+    if est["alisa_window"]:
+        parts.append(f"ALISA's window {fmt_bytes(est['alisa_window'])}")
+    parts += [f"compute {fmt_bytes(est['compute'])}", f"overhead {fmt_bytes(est['overhead'])}"]
+    return [f"memory: {fmt_bytes(est['total'])} = " + " + ".join(parts),
+            f"memory: {fmt_bytes(est['per_user'])} of caches per slot ({n_parallel} slot{'s' if n_parallel > 1 else ''} "
+            f"of {est['cells_per_slot']} cells)"]
+
+
+def check_memory(est: dict, available: int) -> None:
+    """Refuses a setting whose estimate exceeds the memory available now (beyond it the server is killed
+    without a word, or swaps), with the numbers and what to change."""
+    if available and est["total"] > available:
+        raise SparqError(f"the server would need about {fmt_bytes(est['total'])} (weights {fmt_bytes(est['weights'])}, "
+                         f"caches {fmt_bytes(est['kv_cache'] + est['k_transposed'] + est['alisa_window'])}, compute "
+                         f"{fmt_bytes(est['compute'])}), more than the {fmt_bytes(available)} available; use a "
+                         "smaller -c, fewer slots (-np) or a q8_0 cache (--cache-type q8_0)")
+
+
 class _ServeCommand(click.Command):
     """Only what follows `--` goes to llama-server: an option before it that this command does not know is an
     error (a typo such as --temprature, or -m given twice), not forwarded."""
@@ -343,9 +379,16 @@ def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_
     for warning in exposure_warnings(server_args, env, host, cors):
         click.echo(f"warning: {warning}", err=True)
     setting = env.get("LLAMA_SPARSE_ATTN", "dense")
+    est = memory_estimate(path, attention, argv)
+    for line in memory_lines(est, parallel):
+        click.echo(line, err=True)
+    available = system.mem_available()
     if print_command:
+        if available and est["total"] > available:
+            click.echo(f"memory: more than the {fmt_bytes(available)} available here", err=True)
         click.echo(f"LLAMA_SPARSE_ATTN={setting} " + " ".join(argv))
         return
+    check_memory(est, available)
     check_port_free(host, port)
     click.echo(f"serving {path.name} on http://{host}:{port} with {attention.name} attention ({setting}); "
                "GET /props reports it as sparse_attn", err=True)

@@ -17,7 +17,7 @@ from sparq_cpp import system
 from sparq_cpp.errors import SparqError
 
 # module -> the pyproject extra that installs it
-EXTRAS = {"numba": "reference", "matplotlib": "plot", "torch": "train", "safetensors": "train"}
+EXTRAS = {"numba": "reference", "matplotlib": "plot", "torch": "train", "safetensors": "train", "httpx": "bench"}
 
 
 class MissingDependency(SparqError, ImportError):
