@@ -1,15 +1,17 @@
 """The engine's sources, the patch series and the developers' patched tree.
 
-The files the engine adds to llama.cpp (kernels, the sparse attention code of libllama) live in
-`engine/` at their paths in the llama.cpp tree; `engine/FILES` names the patch that introduces each.
-`patches/series` lists the patch files (made by `git format-patch`) in order: edits of upstream files
-only. A patched llama.cpp is `vendor/llama.cpp` of the pinned sdist with engine/ copied in and the
-series applied (`patch_tree`). Developers never edit the .patch files:
+`patches/series` lists the patch files (made by `git format-patch`) in order, each one concern that builds on the
+ones before it (`make check-series`): a patch adds a new file in the form it needs and a later one extends it, as
+upstream would take them. A patched llama.cpp is `vendor/llama.cpp` of the pinned sdist with the series applied
+(`patch_tree`). `engine/` mirrors the files the series adds (kernels, the sparse attention code of libllama), at
+their paths in the llama.cpp tree and as the whole series leaves them, so that they can be read, searched and
+tested here; `engine/FILES` names the patch that introduces each. A patched tree whose added files differ from
+engine/ is an error. Developers edit neither by hand:
 
     python -m sparq_cpp.pyext.patchtree init  [DIR]   # git tree: upstream commit + one commit per patch
     ... edit, build, `git commit` (one concern per commit) in DIR ...
     python -m sparq_cpp.pyext.patchtree export [DIR]  # rewrite patches/ and engine/ from DIR's commits
-    python -m sparq_cpp.pyext.patchtree export-upstream OUT [DIR]  # the whole series, new files included
+    python -m sparq_cpp.pyext.patchtree export-upstream OUT [DIR]  # the series as mail for upstream
 """
 from __future__ import annotations
 
@@ -86,20 +88,19 @@ def series_hash(patches_dir: Path = PATCHES_DIR, engine_dir: Path = ENGINE_DIR) 
     return h.hexdigest()
 
 
-def copy_engine(llama_dir: Path, engine_dir: Path = ENGINE_DIR, paths=None) -> None:
-    """Copy the engine's files (or those of `paths`) into a llama.cpp tree, at their paths."""
-    for path in engine_files(engine_dir) if paths is None else paths:
-        dst = Path(llama_dir) / path
-        if dst.exists():
-            raise SparqError(f"{dst} exists in the upstream tree: the engine's files must be new files")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(engine_dir / path, dst)
+def check_engine(llama_dir: Path, engine_dir: Path = ENGINE_DIR) -> None:
+    """The engine/ mirror and the files the series added to a patched tree are the same, byte for byte."""
+    for path in engine_files(engine_dir):
+        got = Path(llama_dir) / path
+        if not got.is_file() or got.read_bytes() != (engine_dir / path).read_bytes():
+            raise SparqError(f"engine/{path} differs from the file the patch series makes: edit it in the patched "
+                             "tree (`make tree`), commit, and `make export`")
 
 
 def patch_tree(llama_dir: Path, patches_dir: Path = PATCHES_DIR, engine_dir: Path = ENGINE_DIR) -> None:
-    """A plain llama.cpp tree patched: the engine's files copied in, then the series applied."""
-    copy_engine(llama_dir, engine_dir)
+    """A plain llama.cpp tree patched: the series applied, checked against the engine/ mirror."""
     apply_series(llama_dir, series(patches_dir))
+    check_engine(llama_dir, engine_dir)
 
 
 def _git(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProcess:
@@ -135,25 +136,26 @@ def init_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=pr
     _git(["add", "-A", "-f"], tree)
     _git(["commit", "-q", "-m", "upstream: llama.cpp vendored in the pinned llama-cpp-python sdist"], tree)
     _git(["tag", UPSTREAM_TAG], tree)
-    files = engine_files(engine_dir)
     for p in series(patches_dir):
         proc = _git(["am", "-q", "--committer-date-is-author-date", str(p)], tree, check=False)
         if proc.returncode != 0:
             _git(["am", "--abort"], tree, check=False)
             raise SparqError(f"patch {p.name} does not apply in {tree}: {proc.stderr.strip()[:300]}")
-        # the engine's files come in with the patch that introduces them, as they are now
-        subject = _git(["log", "-1", "--format=%s"], tree).stdout.strip()
-        new = [path for path, s in files.items() if s == subject]
-        if new:
-            copy_engine(tree, engine_dir, new)
-            _git(["add", "-f", *new], tree)
-            _git(["commit", "-q", "--amend", "--no-edit", "--allow-empty"], tree)
-    missing = set(files.values()) - set(_git(["log", "--format=%s", f"{UPSTREAM_TAG}..HEAD"], tree).stdout.splitlines())
-    if missing:
-        raise SparqError(f"engine/FILES names patches the series does not have: {', '.join(sorted(missing))}")
+    check_engine(tree, engine_dir)
+    files = engine_files(engine_dir)
     log(f"patched tree ready: {tree} ({len(series(patches_dir))} patches on tag '{UPSTREAM_TAG}', "
         f"{len(files)} engine files)")
     return tree
+
+
+def tree_commits(tree: Path) -> list[tuple[str, str]]:
+    """(hash, subject) of the tree's commits after the upstream tag, oldest first."""
+    out = _git(["log", "--reverse", "--format=%H%x09%s", f"{UPSTREAM_TAG}..HEAD"], tree).stdout
+    return [tuple(line.split("\t", 1)) for line in out.splitlines() if line.strip()]
+
+
+def checkout(tree: Path, commit: str) -> None:
+    _git(["checkout", "-q", "--detach", commit], tree)
 
 
 def _new_files(tree: Path) -> dict[str, str]:
@@ -170,18 +172,17 @@ def _new_files(tree: Path) -> dict[str, str]:
 
 def export_tree(tree: Path = DEFAULT_TREE, patches_dir: Path = PATCHES_DIR, log=print,
                 engine_dir: Path = ENGINE_DIR) -> list[Path]:
-    """Rewrite patches/*.patch and patches/series from the tree's commits after the upstream tag (edits of
-    upstream files only), and engine/ with the files they add (as they are at HEAD) and engine/FILES."""
+    """Rewrite patches/*.patch and patches/series from the tree's commits after the upstream tag, and the
+    engine/ mirror with the files they add (as they are at HEAD) and engine/FILES."""
     if not (tree / ".git").exists():
         raise SparqError(f"{tree} is not a patched tree (make one with `init`)")
     if _git(["status", "--porcelain", "--untracked-files=no"], tree).stdout.strip():
         raise SparqError(f"{tree} has uncommitted changes; commit them (one concern per commit) first")
     new = _new_files(tree)
-    exclude = [f":(exclude){p}" for p in sorted(new)]
     with tempfile.TemporaryDirectory() as tmp:
         # --zero-commit and --full-index keep the files stable across re-exports of the same commits.
         _git(["format-patch", "-q", "--zero-commit", "--full-index", "--no-signature",
-              "-o", tmp, f"{UPSTREAM_TAG}..HEAD", "--", ".", *exclude], tree)
+              "-o", tmp, f"{UPSTREAM_TAG}..HEAD"], tree)
         made = sorted(Path(tmp).glob("*.patch"))
         for old in patches_dir.glob("*.patch"):
             old.unlink()

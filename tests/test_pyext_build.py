@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import email
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,18 +35,32 @@ def engine_copy(tmp_path):
     return dst
 
 
-def test_patches_edit_upstream_files_only_and_the_engine_is_files():
-    """The series holds no new files: what it adds lives in engine/ at its tree path, listed in engine/FILES."""
-    for p in patchtree.series():
-        assert b"\nnew file mode" not in p.read_bytes(), p.name
+def test_engine_mirrors_the_files_the_series_adds():
+    """engine/ holds each file the series adds, as the whole series leaves it, listed in engine/FILES with the
+    patch that adds it; the series itself carries them (a patch adds a file, a later one may extend it)."""
     files = patchtree.engine_files()
     assert {"ggml/src/ggml-cpu/sparse-attn.cpp", "ggml/src/ggml-cuda/sparse-attn.cu", "src/llama-kv-cache-sparse.cpp",
             "src/llama-graph-sparse.cpp", "src/llama-sparse-attn.cpp"} <= set(files)
-    subjects = set()
+    added = {}
     for p in patchtree.series():
-        subject = email.message_from_string(p.read_text(errors="replace"))["Subject"]
-        subjects.add(" ".join(subject.split("] ", 1)[1].split()))  # unfolded, without "[PATCH n/m]"
-    assert set(files.values()) <= subjects  # each introduced by a patch of the series
+        text = p.read_text(errors="replace")
+        subject = email.message_from_string(text)["Subject"]
+        subject = " ".join(subject.split("] ", 1)[1].split())  # unfolded, without "[PATCH n/m]"
+        for m in re.finditer(r"^diff --git a/(\S+) b/\S+\nnew file mode", text, flags=re.M):
+            added.setdefault(m.group(1), subject)
+    assert added == files
+
+
+def test_an_edited_engine_mirror_is_refused(tmp_path, engine_copy):
+    """The build checks the patched tree against engine/: an edit made in engine/ instead of the tree is named."""
+    tree = tmp_path / "llama.cpp"
+    for path in patchtree.engine_files(engine_copy):
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(engine_copy / path, tree / path)
+    patchtree.check_engine(tree, engine_copy)
+    (engine_copy / ENGINE_FILE).write_text((engine_copy / ENGINE_FILE).read_text() + "// edited here\n")
+    with pytest.raises(SparqError, match=f"engine/{ENGINE_FILE} differs from the file the patch series makes"):
+        patchtree.check_engine(tree, engine_copy)
 
 
 def test_pin_names_the_sdist():
@@ -120,7 +135,7 @@ def test_tools_run():
 
 def test_patch_workflow_round_trip(tmp_path, patches_copy, engine_copy):
     """init -> commit throwaway changes (an upstream file, an engine file, a new file) -> export -> a fresh tree
-    and a plain unpack both carry them; patches/ gets the upstream edit, engine/ the files."""
+    and a plain unpack both carry them; the patch carries every change, engine/ mirrors the files."""
     quiet = dict(log=lambda *_: None)
     tree = tmp_path / "tree"
     patchtree.init_tree(tree, patches_copy, engine_dir=engine_copy, **quiet)
@@ -136,7 +151,7 @@ def test_patch_workflow_round_trip(tmp_path, patches_copy, engine_copy):
     assert len(exported) == n_before + 1
     assert exported[-1].name.endswith("test-throwaway-patch.patch")
     text = exported[-1].read_text()
-    assert "throwaway line" in text and "throwaway engine line" not in text and "llama-throwaway" not in text
+    assert "throwaway line" in text and "throwaway engine line" in text and "llama-throwaway" in text
     assert "throwaway engine line" in (engine_copy / ENGINE_FILE).read_text()
     assert patchtree.engine_files(engine_copy)["src/llama-throwaway.cpp"] == "test: throwaway patch"
     assert patchtree.series(patches_copy) == exported

@@ -1227,19 +1227,3 @@ void llama_kv_cache_context::set_input_vmean_scale(ggml_tensor * dst, const llam
 void llama_kv_cache_context::set_input_vmean_later(ggml_tensor * dst, const llama_ubatch * ubatch) const {
     kv->set_input_vmean_later(dst, ubatch);
 }
-
-ggml_tensor * llama_kv_cache_context::build_input_k_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
-    return kv->build_input_k_idxs(ctx, ubatch);
-}
-
-ggml_tensor * llama_kv_cache_context::build_input_v_idxs(ggml_context * ctx, const llama_ubatch & ubatch) const {
-    return kv->build_input_v_idxs(ctx, ubatch);
-}
-
-ggml_tensor * llama_kv_cache_context::build_input_k_rot(ggml_context * ctx) const {
-    return kv->build_input_k_rot(ctx);
-}
-
-ggml_tensor * llama_kv_cache_context::build_input_v_rot(ggml_context * ctx) const {
-    return kv->build_input_v_rot(ctx);
-}

@@ -1,4 +1,4 @@
-// GGML_OP_SPARSE_ATTN on CUDA: SparQ and Loki sparse attention (the algorithm of the CPU kernel in ggml-cpu/ops.cpp).
+// GGML_OP_SPARSE_ATTN on CUDA: SparQ and Loki sparse attention (the algorithm of the CPU kernel in ggml-cpu/sparse-attn.cpp).
 //
 // Per query row (one token of one sequence) and kv head h with its group of g query heads:
 //
