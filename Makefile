@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 BUILD_ARGS ?=
 
-.PHONY: setup demo test test-slow build tree export clean gpu-check
+.PHONY: setup demo test test-slow build tree export check-series clean gpu-check
 setup: $(VENV)/.deps build
 
 $(VENV)/.deps: pyproject.toml
@@ -38,6 +38,10 @@ tree: $(VENV)/.deps
 
 export:
 	$(PY) -m sparq_cpp.pyext.patchtree export $(TREE)
+
+# Every prefix of the series builds: the tree built after each patch in turn; names the first that does not.
+check-series: $(VENV)/.deps
+	$(PY) -m sparq_cpp.pyext.seriescheck $(SERIES_ARGS)
 
 # The CUDA kernels' check for a machine with a GPU: .sparq-build/gpu-check (the patched llama.cpp of the current
 # series, trimmed, and run.sh: stages under one deadline, a JSON summary and logs in $OUT; docs/gpu-check.md);
