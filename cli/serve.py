@@ -215,10 +215,10 @@ def server_command(path, attention, *, host, port, ctx_size, parallel, threads, 
     return argv + list(extra) + cors_args(cors, extra, env), env
 
 
-# After SIGTERM or SIGINT, the seconds llama-server gets to stop on its own. It stops its generation at
-# once, but it waits for the HTTP requests in flight to end, and a client streaming or waiting for a reply
-# holds it until the client gives up. Then it gets llama-server's own "second signal" (exit now) and, if
-# that hangs too, SIGKILL after _KILL_S more.
+# After SIGTERM or SIGINT, the seconds llama-server gets to stop on its own. The patched server stops its
+# generation and ends the requests waiting for results within a second; a server that still waits for its
+# clients (a stock build) gets llama-server's own "second signal" (exit now) and, if that hangs too,
+# SIGKILL after _KILL_S more.
 _GRACE_S = 3.0
 _KILL_S = 2.0
 _PR_SET_PDEATHSIG = 1
