@@ -334,7 +334,8 @@ def check_gguf(path, archs=None) -> GGUFSummary:
 
 def _check_values(reader: GGUFHeader, arch: str, path: Path) -> None:
     """Metadata ggml would assert on later (llama.cpp's loader refuses these too, by name): norm epsilons
-    (ggml_norm, ggml_rms_norm: a number >= 0), expert counts that do not fit, an odd rope dimension count."""
+    (ggml_norm, ggml_rms_norm: a number >= 0), expert counts that do not fit, an odd rope dimension count or one
+    above the key head size (ggml_rope)."""
     key = f"{path}: {arch}."
     for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
         v = reader.get(f"{arch}.{name}")
@@ -348,10 +349,29 @@ def _check_values(reader: GGUFHeader, arch: str, path: Path) -> None:
             raise SparqError(f"{key}expert_used_count must be in 1..expert_count ({n_expert}), got {n_used}")
         if n_expert == 0 and n_used:
             raise SparqError(f"{key}expert_used_count = {n_used} without expert_count")
-    for name in ("rope.dimension_count", "rope.dimension_count_swa"):
+    head = _key_head_size(reader, arch)
+    for name, head_key in (("rope.dimension_count", "attention.key_length"),
+                           ("rope.dimension_count_swa", "attention.key_length_swa")):
         v = reader.get(f"{arch}.{name}")
-        if isinstance(v, int) and not isinstance(v, bool) and v % 2:
+        if not isinstance(v, int) or isinstance(v, bool):
+            continue
+        if v % 2:
             raise SparqError(f"{key}{name} must be even (RoPE turns pairs of components), got {v}")
+        size = reader.get(f"{arch}.{head_key}", head)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0 and v > size:
+            raise SparqError(f"{key}{name} must be at most the key head size ({size}), got {v}")
+
+
+def _key_head_size(reader: GGUFHeader, arch: str) -> int | None:
+    """The key head size as llama.cpp's loader takes it: key_length, else embedding_length / head_count."""
+    size = reader.get(f"{arch}.attention.key_length")
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    n_embd, n_head = reader.get(f"{arch}.embedding_length"), reader.get(f"{arch}.attention.head_count")
+    if isinstance(n_head, list) and n_head:
+        n_head = n_head[0]
+    ok = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (n_embd, n_head))
+    return n_embd // n_head if ok else None
 
 
 def _check_geometry(s: GGUFSummary, heads: bool = True) -> None:

@@ -68,6 +68,24 @@ def test_stock_tool_refuses_without_a_signal(tiny, tmp_path, changes, python_mes
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-1500:])
 
 
+def test_a_rope_dimension_count_above_the_head_size_is_refused(tmp_path):
+    """gemma3.rope.dimension_count = 4096 on heads of 256 aborted generate and the stock tools in ggml_rope
+    (GGML_ASSERT(n_dims <= ne0)); llama's own loader compares it with the head size, gemma3's did not."""
+    import llama_cpp
+    from llama_session import captured_log
+
+    model = write_model(tmp_path / "g.gguf", "tiny-gemma3", wtype="f32", seed=0)
+    bad = rewrite_gguf(model, tmp_path / "bad.gguf", {"gemma3.rope.dimension_count": 4096})
+    with pytest.raises(SparqError, match="rope.dimension_count must be at most the key head size"):
+        check_gguf(bad)
+    with captured_log() as log:
+        loaded = llama_cpp.llama_model_load_from_file(str(bad).encode(), llama_cpp.llama_model_default_params())
+    assert not loaded
+    assert any("rope dimension count 4096" in line and "exceeds the key head size" in line for line in log), \
+        "".join(log[-5:])
+    check_gguf(model)  # the model as written passes
+
+
 def test_a_huge_training_context_does_not_size_the_tokenizer_buffer(tiny, tmp_path):
     """llama-cpp-python sizes its tokenize buffer by the training context: context_length = 2^31-1 allocated
     8 GiB and stalled for half a minute per call. sparq_cpp.Llama sizes it by the text."""

@@ -194,6 +194,11 @@ static bool llama_sparse_attn_parse_impl(const char * str, llama_sparse_attn_par
             ok = false;
         } else if (key == "c") {
             ok = parse_f32(key, val, out.c);
+            // a share of the positions: at most 1 as written (1.0000001 reads as the float 1.0)
+            if (ok && !(out.c > 0.0f && std::strtod(val.c_str(), nullptr) <= 1.0)) {
+                err = "invalid value " + llama_sparse_attn_quote(val) + " for key 'c' (c must be a finite number > 0 and at most 1)";
+                ok = false;
+            }
         } else if (loki && (key == "r" || key == "mv")) {
             err = "key '" + key + "' is for sparq, not loki";
             ok = false;
