@@ -181,7 +181,7 @@ def test_bad_settings_are_refused_by_name(models):
 
 @pytest.mark.parametrize("value,message", [
     ("alisa:c=0", "c must be a finite number > 0"),
-    ("alisa:c=1.0000001", "c must be a finite number > 0 and at most 1"),
+    ("alisa:c=1.0000001", "c must be at most 1 (ALISA's caching ratio"),
     ("alisa:c=abc", "invalid value 'abc' for key 'c'"),
     ("alisa:k=16", "key 'k' is not for alisa"),
     ("sparq:c=0.1", "key 'c' is for alisa, not sparq"),

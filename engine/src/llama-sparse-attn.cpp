@@ -195,8 +195,11 @@ static bool llama_sparse_attn_parse_impl(const char * str, llama_sparse_attn_par
         } else if (key == "c") {
             ok = parse_f32(key, val, out.c);
             // a share of the positions: at most 1 as written (1.0000001 reads as the float 1.0)
-            if (ok && !(out.c > 0.0f && std::strtod(val.c_str(), nullptr) <= 1.0)) {
-                err = "invalid value " + llama_sparse_attn_quote(val) + " for key 'c' (c must be a finite number > 0 and at most 1)";
+            if (ok && !(out.c > 0.0f)) {
+                err = "c must be a finite number > 0 (ALISA's caching ratio), got " + llama_sparse_attn_quote(val);
+                ok = false;
+            } else if (ok && std::strtod(val.c_str(), nullptr) > 1.0) {
+                err = "c must be at most 1 (ALISA's caching ratio, a share of the positions in (0, 1]), got " + val.substr(0, 64);
                 ok = false;
             }
         } else if (loki && (key == "r" || key == "mv")) {
