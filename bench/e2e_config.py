@@ -115,13 +115,15 @@ def parse_depths(text) -> list:
     return sorted(set(out))
 
 
-def parse_modes(text) -> list:
-    items = list(text) if isinstance(text, (list, tuple)) else [x.strip() for x in str(text).split(",") if x.strip()]
+def parse_modes(text, known=None) -> list:
+    """'sparq,dense-fa' or a list -> the names in order, no duplicates; each one of `known` (the e2e bench's MODES)."""
+    known = MODES if known is None else known
+    items = [str(x).strip() for x in (text if isinstance(text, (list, tuple)) else str(text).split(",")) if str(x).strip()]
     if not items:
         raise SparqError("--modes: give at least one mode")
     for name in items:
-        if name not in MODES:
-            raise SparqError(f"--modes: unknown mode {name!r} (choose from {', '.join(MODES)})")
+        if name not in known:
+            raise SparqError(f"--modes: unknown mode {name!r} (choose from {', '.join(known)})")
     return list(dict.fromkeys(items))
 
 

@@ -19,7 +19,6 @@ import datetime as _dt
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from sparq_cpp.bench import machine
 from sparq_cpp.bench.e2e import build_record
-from sparq_cpp.bench.e2e_config import MODES, fmt_bytes, fmt_depth, parse_depths
+from sparq_cpp.bench.e2e_config import MODES, fmt_bytes, fmt_depth, parse_depths, parse_modes
 from sparq_cpp.bench.e2e_memory import server_estimate
 from sparq_cpp.bench.serve_client import Conversation, run_users, summarize
 from sparq_cpp.bench.server_process import ServerProcess
@@ -107,16 +106,6 @@ def parse_users(text) -> list:
     return sorted({int(x) for x in items})
 
 
-def parse_modes(text) -> list:
-    items = _items(text)
-    if not items:
-        raise SparqError("--modes: give at least one mode")
-    for name in items:
-        if name not in SERVE_MODES:
-            raise SparqError(f"--modes: unknown mode {name!r} (choose from {', '.join(SERVE_MODES)})")
-    return list(dict.fromkeys(items))
-
-
 def parse_depth_option(text) -> list:
     try:
         return parse_depths(text)
@@ -127,7 +116,7 @@ def parse_depth_option(text) -> list:
 def validate(cfg: ServeBenchConfig) -> ServeBenchConfig:
     """Every check that needs no server: numbers, modes, files."""
     cfg = replace(cfg, users=parse_users(cfg.users), depths=parse_depth_option(cfg.depths),
-                  modes=parse_modes(cfg.modes))
+                  modes=parse_modes(cfg.modes, SERVE_MODES))
     for name in ("turns", "max_tokens"):
         if getattr(cfg, name) < 1:
             raise SparqError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(cfg, name)}")
