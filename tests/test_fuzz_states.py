@@ -72,12 +72,12 @@ def _mutate(blob: bytes, seed: int) -> bytes:
     return bytes(b)
 
 
-def _run_child(model, modes, blobs, tmp_path):
+def _run_child(model, modes, blobs, tmp_path, child=CHILD):
     """Every blob through the child, restarted after a crash; returns (results, failures)."""
     here = str(Path(__file__).parent)
     results, failures, todo = [], [], list(blobs)
     while todo:
-        proc = subprocess.run([sys.executable, "-c", CHILD, here, str(model), json.dumps(modes), *map(str, todo)],
+        proc = subprocess.run([sys.executable, "-c", child, here, str(model), json.dumps(modes), *map(str, todo)],
                               capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
         done = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
         results += done
@@ -151,6 +151,85 @@ def test_state_mutants_sample(states, tmp_path):
 @pytest.mark.slow
 def test_state_mutants(states, tmp_path):
     _check_states(states, 600, tmp_path)
+
+
+# ---- state files: every change to a saved file is refused --------------------------------------------------
+
+# the child: each mutant file loaded into a context of its mode (a sequence file into sequence 0, a session file
+# whole); prints one JSON line per file
+FILE_CHILD = r"""
+import ctypes, json, sys
+sys.path.insert(0, sys.argv[1])
+from llama_session import Session
+from sparq_cpp.attention import parse_attention
+model, modes, files = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4:]
+sessions = {m: Session(model, parse_attention(spec), cache_type="f16", n_ctx=256) for m, spec in modes.items()}
+out_tokens, n = (ctypes.c_int32 * 256)(), ctypes.c_size_t(0)
+for path in files:
+    mode = path.rsplit("-", 1)[1].split(".")[0]
+    s = sessions[mode]
+    if path.endswith(".seq"):
+        ok = s.C.llama_state_seq_load_file(s.ctx, path.encode(), 0, out_tokens, 256, ctypes.byref(n)) != 0
+    else:
+        ok = bool(s.C.llama_state_load_file(s.ctx, path.encode(), out_tokens, 256, ctypes.byref(n)))
+    if ok:
+        s.decode([(5, s.C.llama_memory_seq_pos_max(s.mem, 0) + 1, 0, True)])
+    s.clear()
+    print(json.dumps({"file": path, "loaded": ok}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def state_files(states, tmp_path_factory):
+    """Sequence and session files saved by a context of each mode after a short prompt."""
+    import ctypes
+
+    from llama_session import Session
+
+    from sparq_cpp.attention import parse_attention
+
+    model, modes, _ = states
+    root = tmp_path_factory.mktemp("fuzz-state-files")
+    prompt = [1] + list(range(20, 80))
+    toks = (ctypes.c_int32 * len(prompt))(*prompt)
+    files = {}
+    for m, spec in modes.items():
+        with Session(model, parse_attention(spec), cache_type="f16", n_ctx=256) as s:
+            s.prompt(prompt)
+            seq, whole = root / f"{m}.seq", root / f"{m}.whole"
+            assert s.C.llama_state_seq_save_file(s.ctx, str(seq).encode(), 0, toks, len(prompt))
+            assert s.C.llama_state_save_file(s.ctx, str(whole).encode(), toks, len(prompt))
+            files[m] = {"seq": seq.read_bytes(), "whole": whole.read_bytes()}
+    return model, modes, files
+
+
+def _check_state_files(state_files, n, tmp_path):
+    model, modes, files = state_files
+    paths, intact = [], set()
+    for i in range(n):
+        mode = sorted(files)[i % len(files)]
+        which = "whole" if (i // len(files)) % 2 else "seq"
+        data = files[mode][which]
+        mutant = data if i % 8 == 7 else _mutate(data, seed=5000 + i)
+        p = tmp_path / f"f{i:04d}-{mode}.{which}"
+        p.write_bytes(mutant)
+        paths.append(p)
+        if mutant == data:
+            intact.add(str(p))
+    results, failures = _run_child(model, modes, paths, tmp_path, child=FILE_CHILD)
+    assert not failures, failures[:5]
+    assert len(results) == n
+    wrong = [r for r in results if r["loaded"] != (r["file"] in intact)]
+    assert not wrong, wrong[:5]
+
+
+def test_state_file_mutants_sample(state_files, tmp_path):
+    _check_state_files(state_files, 48, tmp_path)
+
+
+@pytest.mark.slow
+def test_state_file_mutants(state_files, tmp_path):
+    _check_state_files(state_files, 600, tmp_path)
 
 
 # ---- model metadata values and truncated projections -------------------------------------------------------

@@ -100,3 +100,12 @@ def test_a_huge_training_context_does_not_size_the_tokenizer_buffer(tiny, tmp_pa
     n, seconds, max_rss_kib = proc.stdout.split()
     assert int(n) > 1 and float(seconds) < 1.0
     assert int(max_rss_kib) < 2 * 2**20, f"max RSS {int(max_rss_kib) / 2**20:.1f} GiB"
+
+
+def test_a_tokenizer_that_adds_eos_is_an_error_in_llama_completion(tiny, tmp_path):
+    """tokenizer.ggml.add_eos_token = true made llama-completion assert (SIGABRT); it now exits 1."""
+    bad = rewrite_gguf(tiny, tmp_path / "eos.gguf", {"tokenizer.ggml.add_eos_token": True})
+    proc = subprocess.run([str(tool_path("llama-completion")), "-m", str(bad), "-p", "hello", "-n", "2", "-no-cnv",
+                           "-c", "128", "-t", "1"], capture_output=True, text=True, errors="replace", timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-1500:])

@@ -59,6 +59,7 @@ def test_completion_logs_its_setting_by_default():
 
 
 def test_loki_projection_next_to_the_model(tmp_path):
+    """llama-completion, llama-bench and the Python API find `<model stem>.loki.gguf` next to the model and say so."""
     model = tmp_path / "austen.q8_0.gguf"
     shutil.copy(os.path.join(REPO_MODELS, "austen.q8_0.gguf"), model)
     shutil.copy(os.path.join(REPO_MODELS, "austen.loki.gguf"), tmp_path / "austen.q8_0.loki.gguf")
@@ -69,6 +70,10 @@ def test_loki_projection_next_to_the_model(tmp_path):
     assert f"loki projection: {tmp_path / 'austen.q8_0.loki.gguf'} (next to the model" in out, out[-2000:]
     llm = Llama(str(model), attention=Loki(d=16, k=16), n_ctx=256, n_threads=1)
     assert llm.attention.projection == str(tmp_path / "austen.q8_0.loki.gguf")
+    proc = run("llama-bench", "-m", model, "-p", "0", "-n", "2", "-r", "1", "-fa", "1", "-t", "1",
+               "--sparse-attn", "loki:d=16,k=16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"loki projection: {tmp_path / 'austen.q8_0.loki.gguf'} (next to the model" in proc.stderr, proc.stderr
 
 
 def test_auto_sized_for_what_one_sequence_may_use(tmp_path):

@@ -11,6 +11,9 @@
 
 struct llama_model;
 
+// the version of the projection file format (loki.version) this build reads
+#define LLAMA_LOKI_VERSION 1
+
 //
 // llama_adapter_loki
 //

@@ -551,6 +551,17 @@ uint32_t llama_kv_cache::state_read_layout(llama_io_read_i & io, uint32_t & n_st
         io.read(&state_alisa_c,  sizeof(state_alisa_c));
         io.read(&state_basis_id, sizeof(state_basis_id));
 
+        // a header is written only for a sparse layout, and ALISA's c is a share of the positions
+        const uint32_t known = LLAMA_KV_STATE_KT | LLAMA_KV_STATE_LOKI | LLAMA_KV_STATE_ALISA;
+        if (layout == 0 || (layout & ~known) != 0) {
+            throw std::runtime_error(format("the state's sparse attention layout 0x%x is not one this build writes", layout));
+        }
+        const bool alisa_state = (layout & LLAMA_KV_STATE_ALISA) != 0;
+        if (alisa_state ? !(state_alisa_c > 0.0f && state_alisa_c <= 1.0f) : state_alisa_c != 0.0f) {
+            throw std::runtime_error(format("the state's ALISA c is %g, which its layout 0x%x cannot hold",
+                        (double) state_alisa_c, layout));
+        }
+
         io.read(&n_stream_cur, sizeof(n_stream_cur));
     } else {
         n_stream_cur = first;
