@@ -64,3 +64,36 @@ def test_passive_waiting_only_when_the_cpu_is_busy():
     for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "1000"}):
         env = dict(chosen)
         assert system.choose_thread_wait(env, share=0.9) is None and env == chosen
+
+
+def test_a_build_times_llama_bench_with_the_policies_it_takes(tmp_path):
+    from sparq_cpp.pyext.build import tool_path
+
+    out = tmp_path / "tw.json"
+    tools = str(tool_path("llama-completion").parent)
+    res = CliRunner().invoke(thread_wait.main, ["-m", str(default_model(lambda *_: None)), "--repeats", "1",
+                                                "--policies", "passive,poll50", "--n-predict", "4",
+                                                "--prompt-words", "90", "--tools", tools, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["runner"] == "llama-bench"
+    # the installed build uses OpenMP: the poll policy is the thread pool's, not run here
+    assert {(r["build"], r["policy"]) for r in doc["rows"]} == {("OpenMP", "passive")}
+    assert all(r["median_ms"] > 0 for r in doc["rows"])
+
+
+def test_poll_reaches_llama_bench(monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["cmd"] = cmd
+
+        class P:
+            returncode, stdout, stderr = 0, '[{"avg_ns": 40000000}]', ""
+        return P()
+
+    monkeypatch.setattr(thread_wait.subprocess, "run", fake_run)
+    assert thread_wait.decode_ms("m", [], "poll50", 2, 10, "p", 10, tools="/b") == pytest.approx(4.0)
+    assert seen["cmd"][0] == "/b/llama-bench" and seen["cmd"][-2:] == ["--poll", "50"]
+    with pytest.raises(Exception, match="give --tools"):
+        thread_wait.decode_ms("m", [], "poll50", 2, 10, "p", 10)
