@@ -40,15 +40,16 @@ from sparq_cpp import lazy
 from sparq_cpp.attention import Dense, Loki, SparQ
 from sparq_cpp.bench import machine
 from sparq_cpp.bench.stateblob import KVLayout, sparse_layout, synthetic_state
-from sparq_cpp.bench.transfer_model import ModelShape, token_bytes
+from sparq_cpp.bench.transfer_model import token_bytes
 from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
 from sparq_cpp.lazy import llama_cpp as import_llama_cpp
 from sparq_cpp.llm import llama_class
-from sparq_cpp.outfile import atomic_write
+from sparq_cpp.memory import ModelShape
+from sparq_cpp.outfile import atomic_write, fmt_bytes
 from sparq_cpp.pyext.build import installed_build
 # the bench by job: settings (e2e_config), memory planning (e2e_memory), the model (e2e_model), results (e2e_report)
-from sparq_cpp.bench.e2e_config import BASELINE_MODES, MODES, SCHEMA, BenchConfig, Mode, fmt_bytes, fmt_depth, validate
+from sparq_cpp.bench.e2e_config import BASELINE_MODES, MODES, SCHEMA, BenchConfig, Mode, fmt_depth, validate
 from sparq_cpp.bench.e2e_memory import ubatch as _ubatch, depth_estimate, fills_at, group_estimate, n_ctx_for, plan_groups
 from sparq_cpp.bench.e2e_model import ensure_model, kv_scales, loki_projection, plan_model
 from sparq_cpp.bench.e2e_report import faster_baseline, fill_agreement, plot, summarize

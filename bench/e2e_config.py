@@ -12,17 +12,15 @@ from sparq_cpp.bench import machine
 from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
 from sparq_cpp.llm import check_threads, default_threads
-from sparq_cpp.outfile import check_writable
+from sparq_cpp.memory import GIB, MIB
+from sparq_cpp.outfile import check_writable, fmt_bytes
 
 SCHEMA = "sparq-cpp-bench/1"
 DEFAULT_DEPTHS = "1k,2k,4k,8k,16k,32k"
 DEFAULT_MODES = "dense-fa,dense-nofa,dense-q8kv,sparq"
 FILLS = ("synthetic", "prefill", "both")
 AGREE_TOL = 0.05
-KV_PAD = 256  # llama.cpp pads the cache size to a multiple of 256 cells
 BENCH_MODEL_CTX = 131072  # n_ctx_train written into the default synthetic model
-MIB = 1 << 20
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -129,10 +127,6 @@ def parse_modes(text, known=None) -> list:
 
 def fmt_depth(s: int) -> str:
     return f"{s // 1024}k" if s % 1024 == 0 else str(s)
-
-
-def fmt_bytes(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
 def validate(cfg: BenchConfig) -> BenchConfig:

@@ -1,13 +1,12 @@
-"""What each end-to-end bench context, and a llama-server, needs in memory, and how the bench's modes and layers are
-planned to fit.
+"""What each end-to-end bench context needs in memory (the parts as sparq_cpp.memory estimates them), and how the
+bench's modes and layers are planned to fit.
 """
 from __future__ import annotations
 
 from sparq_cpp import transfer
 from sparq_cpp.bench.stateblob import LAYOUT_KT, KVLayout, SparseLayout, blob_size
-from sparq_cpp.bench.transfer_model import ModelShape
-from sparq_cpp.bench.e2e_config import KV_PAD, MIB, MODES, BenchConfig, Mode
-from sparq_cpp.llm import alisa_window_bytes
+from sparq_cpp.bench.e2e_config import MODES, BenchConfig, Mode
+from sparq_cpp.memory import KV_PAD, MIB, ModelShape, cache_bytes, compute_bytes
 
 # ---- memory ------------------------------------------------------------------------------
 
@@ -25,26 +24,6 @@ def fills_at(cfg: BenchConfig, depth: int) -> list:
 def ubatch(fills: list, n_ctx: int, prefill_batch: int) -> int:
     """The micro-batch of a context: the prefill batch where it prefills, else 32; never more than n_ctx."""
     return min(prefill_batch if "prefill" in fills else 32, n_ctx)
-
-
-def cache_bytes(shape: ModelShape, cells, kind: str, type_k: str, type_v: str | None = None) -> dict:
-    """Bytes of a KV cache of `cells` cells in every layer (or a list: the cells of each layer): K and V in
-    their cache types, and SparQ's transposed K copy (f16; f32 for an f32 K cache)."""
-    type_v = type_k if type_v is None else type_v
-    per_layer = cells if isinstance(cells, (list, tuple)) else [cells] * shape.n_layer
-    total = sum(per_layer) * shape.n_embd_kv
-    kv = total * (transfer.bytes_per_element(type_k) + transfer.bytes_per_element(type_v))
-    kt = total * (4 if type_k == "f32" else 2) if kind == "sparq" else 0
-    return {"kv_cache": int(kv), "k_transposed": int(kt)}
-
-
-def compute_bytes(shape: ModelShape, ubatch: int, n_kv: int, flash_attn: bool) -> int:
-    """llama.cpp's compute buffer for a micro-batch of `ubatch` tokens attending to `n_kv` cells: activations
-    and logits, 64 MiB of graph, and without flash attention the KQ matrix (f32, every head)."""
-    out = ubatch * 4 * (2 * shape.n_vocab + 4 * max(shape.n_ff, shape.n_embd) + 16 * shape.n_embd) + 64 * MIB
-    if not flash_attn:
-        out += 2 * ubatch * n_kv * shape.n_head * 4
-    return int(out)
 
 
 def estimate_memory(shape: ModelShape, mode: Mode, depth: int, fills: list, prefill_batch: int = 512) -> dict:
@@ -80,32 +59,6 @@ def estimate_memory(shape: ModelShape, mode: Mode, depth: int, fills: list, pref
              "transient": transient, "overhead": 400 * MIB}
     parts = {k: int(v) for k, v in parts.items()}
     parts["total"] = sum(parts.values())
-    return parts
-
-
-SERVER_UBATCH = 512  # llama-server's default micro-batch (-ub)
-SERVER_OVERHEAD = 200 * MIB  # llama-server's own allocations beyond the model, caches and compute
-
-
-def server_estimate(shape: ModelShape, *, kind: str, n_ctx: int, n_parallel: int, type_k: str = "f16",
-                    type_v: str = "f16", flash_attn: bool = True, alisa_c: float | None = None,
-                    ubatch_size: int = SERVER_UBATCH) -> dict:
-    """Resident bytes llama-server needs for -c n_ctx over -np n_parallel slots (one cache stream per slot,
-    as llama-server runs them without -kvu), by part: the weights (memory-mapped, all resident), K and V
-    (each slot's share of -c, padded to 256 cells; a sliding-window layer keeps its window plus a
-    micro-batch, as llama.cpp does without --swa-full), SparQ's transposed K copy, ALISA's window of past
-    weights, the compute buffer and a fixed overhead. `per_user` is one slot's caches and window."""
-    n_seq = max(1, n_parallel)
-    cells = -(-max(1, n_ctx // n_seq) // KV_PAD) * KV_PAD
-    per_layer = [min(cells, -(-(shape.n_swa + ubatch_size) // KV_PAD) * KV_PAD) if shape.is_swa(il) else cells
-                 for il in range(shape.n_layer)]
-    cache = cache_bytes(shape, [c * n_seq for c in per_layer], kind, type_k, type_v)
-    window = alisa_window_bytes(shape.n_layer, cells, alisa_c) * n_seq if kind == "alisa" and alisa_c else 0
-    parts = {"weights": shape.weight_bytes, **cache, "alisa_window": int(window),
-             "compute": compute_bytes(shape, min(ubatch_size, n_ctx), cells, flash_attn), "overhead": SERVER_OVERHEAD}
-    parts["total"] = sum(parts.values())
-    parts["per_user"] = (parts["kv_cache"] + parts["k_transposed"] + parts["alisa_window"]) // n_seq
-    parts["cells_per_slot"] = cells
     return parts
 
 

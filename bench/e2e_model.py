@@ -11,14 +11,15 @@ from pathlib import Path
 import numpy as np
 
 from sparq_cpp.bench import machine
-from sparq_cpp.bench.e2e_config import BENCH_MODEL_CTX, BenchConfig, fmt_bytes, fmt_depth
+from sparq_cpp.bench.e2e_config import BENCH_MODEL_CTX, BenchConfig, fmt_depth
 from sparq_cpp.bench.e2e_memory import choose_layers, depth_estimate
-from sparq_cpp.bench.transfer_model import ModelShape, shape_from_geometry, shape_from_gguf
 from sparq_cpp.calib.pca import LokiPCA
 from sparq_cpp.calib.projection import write_projection
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import metadata_value, open_gguf
+from sparq_cpp.memory import ModelShape, shape_from_geometry, shape_from_gguf
 from sparq_cpp.modelfactory import FACTORY_VERSION, PRESETS, cache_dir, qk_row_std, resolve_geometry, write_model
+from sparq_cpp.outfile import fmt_bytes
 from sparq_cpp.projection import read_projection
 
 # ---- the model ---------------------------------------------------------------------------

@@ -26,15 +26,14 @@ from tqdm import tqdm
 
 from sparq_cpp.bench import machine
 from sparq_cpp.bench.e2e import build_record
-from sparq_cpp.bench.e2e_config import MODES, fmt_bytes, fmt_depth, parse_depths, parse_modes
-from sparq_cpp.bench.e2e_memory import server_estimate
+from sparq_cpp.bench.e2e_config import MODES, fmt_depth, parse_depths, parse_modes
 from sparq_cpp.bench.serve_client import Conversation, run_users, summarize
 from sparq_cpp.bench.server_process import ServerProcess
-from sparq_cpp.bench.transfer_model import shape_from_gguf
 from sparq_cpp.errors import SparqError
 from sparq_cpp.lazy import pyplot
 from sparq_cpp.llm import check_threads, default_threads
-from sparq_cpp.outfile import atomic_write, check_writable
+from sparq_cpp.memory import context_estimate, shape_from_gguf
+from sparq_cpp.outfile import atomic_write, check_writable, fmt_bytes
 from sparq_cpp.train import corpus
 
 SCHEMA = "sparq-cpp-bench-serve/1"
@@ -214,8 +213,8 @@ def _estimate(cfg, shape, mode: ServeMode, users: int, depth: int) -> dict:
     """The serve estimate of this setting (the flags serve_argv gives)."""
     opt = dict(zip(mode.args[::2], mode.args[1::2]))
     cache = opt.get("--cache-type", "f16")
-    return server_estimate(shape, kind=mode.kind, n_ctx=users * slot_tokens(cfg, depth), n_parallel=users,
-                           type_k=cache, type_v=cache, flash_attn=opt.get("-fa", "auto") != "off")
+    return context_estimate(shape, kind=mode.kind, n_ctx=users * slot_tokens(cfg, depth), n_seq=users,
+                            type_k=cache, type_v=cache, flash_attn=opt.get("-fa", "auto") != "off")
 
 
 def run_phase(cfg, server: ServerProcess, convs: list, bar, tag: str) -> tuple:

@@ -11,52 +11,9 @@ Activations, logits and the KQ mask are left out (under 1% at 7B shapes).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 from sparq_cpp import transfer
 from sparq_cpp.errors import SparqError
-from sparq_cpp.geometry import ModelGeometry, geometry_fields
-from sparq_cpp.gguf_check import check_gguf, open_gguf
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape(ModelGeometry):
-    """What the memory estimate and the transfer model need to know about a model: its geometry and
-    the bytes of its weights."""
-
-    weight_bytes: int  # the whole file's tensors (all resident while decoding)
-    weight_bytes_per_token: int  # what one decode step reads
-
-    def as_dict(self) -> dict:
-        return asdict(self) | {"head_dim": self.head_dim, "n_embd_kv": self.n_embd_kv}
-
-
-def shape_from_gguf(path) -> ModelShape:
-    """A ModelShape from a GGUF's metadata and tensor sizes."""
-    s = check_gguf(path)
-    reader = open_gguf(path)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    rows = {t.name: int(t.shape[-1]) if len(t.shape) > 1 else 1 for t in reader.tensors}
-    if "token_embd.weight" not in sizes:
-        raise SparqError(f"{path}: no token_embd.weight tensor")
-    total = sum(sizes.values())
-    emb = sizes["token_embd.weight"]
-    per_token = total - emb + emb // max(1, rows["token_embd.weight"])
-    if "output.weight" not in sizes:  # tied embeddings: the head reads the whole embedding
-        per_token += emb - emb // max(1, rows["token_embd.weight"])
-    return ModelShape(**geometry_fields(s), weight_bytes=total, weight_bytes_per_token=per_token)
-
-
-def shape_from_geometry(geo: ModelGeometry, wtype: str) -> ModelShape:
-    """The ModelShape the model factory's file for geo and wtype will have (before writing it)."""
-    bpe = transfer.bytes_per_element(wtype)
-    E, Eq, Ekv = geo.n_embd, geo.n_head * geo.head_dim, geo.n_head_kv * geo.head_dim
-    mats = Eq * E + 2 * Ekv * E + E * Eq + 3 * geo.n_ff * E
-    per_layer = mats * bpe + 2 * E * 4
-    emb = geo.n_vocab * E * bpe
-    total = geo.n_layer * per_layer + 2 * emb + E * 4
-    per_token = total - emb + E * bpe
-    return ModelShape(**geometry_fields(geo), weight_bytes=int(total), weight_bytes_per_token=int(per_token))
+from sparq_cpp.memory import ModelShape
 
 
 def kv_bytes_per_head(kind: str, n: int, D: int, cache_type: str, *, r: int = 16, k: int = 128,

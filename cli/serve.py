@@ -20,15 +20,14 @@ import click
 from sparq_cpp import system
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, spec
 from sparq_cpp.auto import known_poor, resolve
-from sparq_cpp.bench.e2e_config import fmt_bytes
-from sparq_cpp.bench.e2e_memory import server_estimate
-from sparq_cpp.bench.transfer_model import shape_from_gguf
 from sparq_cpp.cli.generate import attention_from_options
 from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_for,
                                    flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf, check_sparse
 from sparq_cpp.llm import check_alisa, check_loki_projection, default_threads, display_name
+from sparq_cpp.memory import check_fits, context_estimate, shape_from_gguf
+from sparq_cpp.outfile import fmt_bytes
 from sparq_cpp.pyext.build import tool_path
 
 
@@ -282,12 +281,12 @@ def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S) ->
 
 def memory_estimate(path, attention, argv) -> dict:
     """What the llama-server of `argv` (from server_command) needs in memory for `attention`, by part
-    (bench.e2e_memory.server_estimate): weights, KV, SparQ's K^T, ALISA's window, compute."""
+    (sparq_cpp.memory.context_estimate): weights, KV, SparQ's K^T, ALISA's window, compute."""
     opt = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("-")}
-    return server_estimate(shape_from_gguf(path), kind=attention.name, n_ctx=int(opt["-c"]),
-                           n_parallel=int(opt["-np"]), type_k=opt["-ctk"], type_v=opt["-ctv"],
-                           flash_attn=opt["-fa"] != "off",  # auto: on, on a CPU
-                           alisa_c=attention.c if isinstance(attention, ALISA) else None)
+    return context_estimate(shape_from_gguf(path), kind=attention.name, n_ctx=int(opt["-c"]),
+                            n_seq=int(opt["-np"]), type_k=opt["-ctk"], type_v=opt["-ctv"],
+                            flash_attn=opt["-fa"] != "off",  # auto: on, on a CPU
+                            alisa_c=attention.c if isinstance(attention, ALISA) else None)
 
 
 def memory_lines(est: dict, n_parallel: int) -> list:
@@ -306,11 +305,7 @@ def memory_lines(est: dict, n_parallel: int) -> list:
 def check_memory(est: dict, available: int) -> None:
     """Refuses a setting whose estimate exceeds the memory available now (beyond it the server is killed
     without a word, or swaps), with the numbers and what to change."""
-    if available and est["total"] > available:
-        raise SparqError(f"the server would need about {fmt_bytes(est['total'])} (weights {fmt_bytes(est['weights'])}, "
-                         f"caches {fmt_bytes(est['kv_cache'] + est['k_transposed'] + est['alisa_window'])}, compute "
-                         f"{fmt_bytes(est['compute'])}), more than the {fmt_bytes(available)} available; use a "
-                         "smaller -c, fewer slots (-np) or a q8_0 cache (--cache-type q8_0)")
+    check_fits(est, available, "the server", "use a smaller -c, fewer slots (-np) or a q8_0 cache (--cache-type q8_0)")
 
 
 class _ServeCommand(click.Command):

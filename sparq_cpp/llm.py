@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparq_cpp import auto, lazy, system
@@ -14,6 +15,7 @@ from sparq_cpp.attention import ALISA, Attention, Auto, Dense, Loki, SparQ, pars
 from sparq_cpp.bindings import sparse_api
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse, swa_layers
+from sparq_cpp.memory import alisa_window_bytes, check_fits, context_estimate, shape_from_gguf
 from sparq_cpp.projection import default_projection, read_projection
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # name -> ggml type number (llama-cpp-python's type_k/type_v)
@@ -97,11 +99,16 @@ def check_alisa(model_path) -> None:
                          "weights follows one full-attention cache); use SparQ or Loki")
 
 
-def alisa_window_bytes(n_layer: int, n_ctx: int, c: float) -> int:
-    """The bytes of ALISA's window of past weights, as llama.cpp allocates it per layer: f32 rows over the
-    cache's cells for the steps of the longest window plus two, a row of zeros, and the running sums."""
-    n_ring = min(max(1, int((n_ctx + 1) * c / 2)), n_ctx) + 2
-    return n_layer * n_ctx * (n_ring + 2) * 4
+def check_context_memory(model_path, attention, *, n_ctx: int, type_k: str, type_v: str, flash_attn: bool,
+                         n_batch: int, ubatch_size: int) -> None:
+    """Refuses a context whose estimate (sparq_cpp.memory: weights, caches, compute, and llama_cpp's buffer of
+    a batch's logits) exceeds the memory free now, before llama.cpp allocates anything, with the numbers."""
+    shape = shape_from_gguf(model_path)
+    est = context_estimate(shape, kind=attention.name, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
+                           flash_attn=flash_attn, ubatch_size=ubatch_size, overhead=n_batch * shape.n_vocab * 4,
+                           alisa_c=attention.c if isinstance(attention, ALISA) else None)
+    check_fits(est, system.mem_available(), f"{Path(model_path).name} with a context of {n_ctx} tokens",
+               "use a smaller context (n_ctx, -c) or a q8_0 cache (cache_type='q8_0', --cache-type q8_0)")
 
 
 def check_alisa_memory(summary, n_ctx: int, c: float) -> None:
@@ -187,6 +194,9 @@ def _llama_class():
                 kwargs["flash_attn"] = True
                 # the mode the context is created for, in llama_context_params (patches/bindings)
                 kwargs["sparse_attn"] = c_params(attention, creation=True)
+            check_context_memory(model_path, attention, n_ctx=kwargs.get("n_ctx", 512) or summary.n_ctx_train,
+                                 type_k=type_k, type_v=type_v, flash_attn=bool(kwargs.get("flash_attn")),
+                                 n_batch=kwargs.get("n_batch", 512), ubatch_size=kwargs.get("n_ubatch", 512))
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except (ValueError, RuntimeError) as e:

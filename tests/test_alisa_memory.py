@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 from conftest import assert_one_line_error, run_cli  # noqa: E402
 from sparq_cpp import ALISA, Llama, SparqError  # noqa: E402
-from sparq_cpp.llm import alisa_window_bytes  # noqa: E402
+from sparq_cpp.memory import alisa_window_bytes  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
 
 

@@ -17,7 +17,8 @@ from sparq_cpp.bench import e2e, e2e_config, e2e_memory, e2e_model, e2e_report  
 from sparq_cpp.bench.e2e import MODES, BenchConfig  # noqa: E402
 from sparq_cpp.bench.stateblob import (KVLayout, blob_size, dequantize_q8_0, parse_state,  # noqa: E402
                                        quantize_q8_0, sparse_layout, synthetic_state)
-from sparq_cpp.bench.transfer_model import shape_from_geometry, shape_from_gguf, token_bytes  # noqa: E402
+from sparq_cpp.bench.transfer_model import token_bytes  # noqa: E402
+from sparq_cpp.memory import shape_from_geometry, shape_from_gguf  # noqa: E402
 from sparq_cpp.modelfactory import resolve_geometry, write_model  # noqa: E402
 from sparq_cpp.bindings import sparse_api  # noqa: E402
 

@@ -11,9 +11,7 @@ from sparq_cpp.bindings import sparse_api  # noqa: E402
 if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)", allow_module_level=True)
 
-from sparq_cpp.bench.e2e_config import MIB  # noqa: E402
-from sparq_cpp.bench.e2e_memory import server_estimate  # noqa: E402
-from sparq_cpp.bench.transfer_model import shape_from_geometry  # noqa: E402
+from sparq_cpp.memory import MIB, context_estimate, shape_from_geometry  # noqa: E402
 from sparq_cpp.cli.main import cli  # noqa: E402
 from sparq_cpp.modelfactory import resolve_geometry, write_model  # noqa: E402
 
@@ -28,16 +26,16 @@ def model(tmp_path_factory):
 def test_the_estimate_counts_each_part():
     shape = shape_from_geometry(resolve_geometry("tiny", wtype="f32"), "f32")  # 2 layers, 4 KV heads of 64
     cells_row = shape.n_layer * shape.n_embd_kv  # one cell of every layer
-    dense = server_estimate(shape, kind="dense", n_ctx=4000, n_parallel=2)
+    dense = context_estimate(shape, kind="dense", n_ctx=4000, n_seq=2)
     assert dense["cells_per_slot"] == 2048  # 2000 cells a slot, padded to 256
     assert dense["kv_cache"] == 2 * 2048 * cells_row * (2 + 2) and dense["k_transposed"] == 0
     assert dense["per_user"] == dense["kv_cache"] // 2
-    sparq = server_estimate(shape, kind="sparq", n_ctx=4000, n_parallel=2, type_k="q8_0", type_v="q8_0")
+    sparq = context_estimate(shape, kind="sparq", n_ctx=4000, n_seq=2, type_k="q8_0", type_v="q8_0")
     assert sparq["kv_cache"] == int(2 * 2048 * cells_row * 2 * 34 / 32)
     assert sparq["k_transposed"] == 2 * 2048 * cells_row * 2  # f16 beside a q8_0 K
-    alisa = server_estimate(shape, kind="alisa", n_ctx=1024, n_parallel=1, alisa_c=0.5)
+    alisa = context_estimate(shape, kind="alisa", n_ctx=1024, n_seq=1, alisa_c=0.5)
     assert alisa["alisa_window"] > 0 and alisa["per_user"] == alisa["kv_cache"] + alisa["alisa_window"]
-    nofa = server_estimate(shape, kind="dense", n_ctx=4000, n_parallel=2, flash_attn=False)
+    nofa = context_estimate(shape, kind="dense", n_ctx=4000, n_seq=2, flash_attn=False)
     assert nofa["compute"] > dense["compute"]
     for est in (dense, sparq, alisa):
         parts = ("weights", "kv_cache", "k_transposed", "alisa_window", "compute", "overhead")
@@ -46,7 +44,7 @@ def test_the_estimate_counts_each_part():
 
 def test_sliding_window_layers_keep_their_window():
     shape = shape_from_geometry(resolve_geometry("tiny-gemma3", wtype="f32"), "f32")  # n_swa 32, every other layer
-    est = server_estimate(shape, kind="dense", n_ctx=8192, n_parallel=1)
+    est = context_estimate(shape, kind="dense", n_ctx=8192, n_seq=1)
     full, window = 8192, 768  # a window layer: 32 + a micro-batch of 512, padded to 256
     n_full = sum(not shape.is_swa(il) for il in range(shape.n_layer))
     n_window = shape.n_layer - n_full
@@ -69,5 +67,20 @@ def test_a_setting_that_does_not_fit_is_refused_with_the_numbers(model, monkeypa
     res = CliRunner().invoke(cli, ["serve", "-m", str(model), "-c", "65536", "-np", "4", "--sparq-r", "8",
                                    "--port", "1"])
     assert res.exit_code == 2 and not started, res.output
-    assert "error: the server would need about" in res.output and "more than the 64 MiB available" in res.output
+    assert "error: the server would need about" in res.output and "more than the 64.0 MiB available" in res.output
     assert "use a smaller -c, fewer slots (-np) or a q8_0 cache" in res.output and "Traceback" not in res.output
+
+
+def test_the_python_api_and_generate_refuse_a_context_that_does_not_fit(model, monkeypatch):
+    """The estimate (weights, caches, compute) is checked before llama.cpp allocates anything: beyond the memory
+    free, a process is killed without a word."""
+    from sparq_cpp import Llama, SparqError
+
+    monkeypatch.setattr("sparq_cpp.system.mem_available", lambda: 64 * MIB)
+    with pytest.raises(SparqError, match=r"with a context of 65536 tokens would need about .* more than the 64\.0 MiB "
+                                         r"available; use a smaller context"):
+        Llama(str(model), "sparq:r=8,k=64", n_ctx=65536)
+    res = CliRunner().invoke(cli, ["generate", "-m", str(model), "-c", "65536", "-n", "2", "-p", "hi"])
+    assert res.exit_code != 0 and "would need about" in res.output and "Traceback" not in res.output, res.output
+    monkeypatch.setattr("sparq_cpp.system.mem_available", lambda: 64 * 2**30)
+    Llama(str(model), "sparq:r=8,k=64", n_ctx=1024).close()
