@@ -152,17 +152,26 @@ while True:
 
 
 def test_a_kill_during_a_save_leaves_the_old_or_the_new_file(model, tmp_path):
-    """kill -9 at random moments of a loop that saves two states to one path in turn: the path always holds one
+    _kill_during_saves(model, tmp_path, 8)
+
+
+@pytest.mark.slow
+def test_many_kills_during_saves(model, tmp_path):
+    _kill_during_saves(model, tmp_path, 60)
+
+
+def _kill_during_saves(model, tmp_path, n_trials):
+    """kill -9 at moments spread over a loop that saves two states to one path in turn: the path always holds one
     of the two whole states, which loads; the kills that landed while a save was writing left its temporary file,
     which is how the test knows it hit the window it is about."""
     path = tmp_path / "slot.bin"
     hits, loaded = 0, set()
     with Session(model, parse_attention(SPARQ), cache_type="f32", n_ctx=2048) as s:
-        for trial in range(8):
+        for trial in range(n_trials):
             child = subprocess.Popen([sys.executable, "-c", SAVER, str(TESTS), str(model), str(path), SPARQ],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             assert child.stdout.readline().strip() == "ready"
-            time.sleep(0.05 + 0.037 * trial)
+            time.sleep(0.05 + 0.037 * (trial % 10))
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=30)
             tmp = path.with_name(path.name + ".tmp")
