@@ -236,10 +236,13 @@ def _server_child_setup() -> None:
             os._exit(1)
 
 
-def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S) -> int:
+def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S, watch_s: float = 10.0) -> int:
     """Run llama-server and return its exit status, passing SIGTERM, SIGINT and SIGHUP on to it. Once
     signalled, it gets grace_s to exit; then llama-server's second signal (it exits at once), then SIGKILL
-    after kill_s more; the status is then 128 + the first signal, as for a process the signal ended."""
+    after kill_s more; the status is then 128 + the first signal, as for a process the signal ended.
+
+    A server started on a quiet machine has threads that spin while they wait for each other; when other
+    processes start to hold the CPU (two windows of watch_s in a row), it says so once, with what to do."""
     first: dict = {}
     started: list = []
 
@@ -256,6 +259,8 @@ def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S) ->
     started.append(proc)
     if "signal" in first:
         proc.send_signal(first["signal"])
+    spinning = env.get("OMP_WAIT_POLICY", "").lower() != "passive" and "GOMP_SPINCOUNT" not in env
+    watch = system.LoadWatch(proc.pid, watch_s) if spinning else None
     forced = False
     while True:
         try:
@@ -263,6 +268,11 @@ def run_server(argv, env, grace_s: float = _GRACE_S, kill_s: float = _KILL_S) ->
             break
         except subprocess.TimeoutExpired:
             pass
+        if watch is not None and watch.busy():
+            click.echo(f"threads: other processes now use {watch.share:.0%} of the CPU while the server's threads spin "
+                       "as they wait for each other, which can slow decoding many times over; restart serve (it then "
+                       "lets them sleep) or start it with OMP_WAIT_POLICY=passive", err=True)
+            watch = None
         if "at" not in first:
             continue
         waited = time.monotonic() - first["at"]

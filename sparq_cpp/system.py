@@ -59,6 +59,40 @@ def cpu_busy_seconds() -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU time a process (all its threads) has used so far, from /proc; None where there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class LoadWatch:
+    """Notices other processes starting to hold the CPU while a llama.cpp process (pid) runs with threads that
+    spin while they wait (choose_thread_wait decided at its start, when the machine was quiet): the share of the
+    machine's CPU used by everything but that process, per window of `seconds`; busy() is true once two windows
+    in a row reach BUSY_SHARE."""
+
+    def __init__(self, pid: int, seconds: float = 10.0):
+        self.pid, self.seconds, self.streak = pid, seconds, 0
+        self.last = (time.monotonic(), cpu_busy_seconds(), process_cpu_seconds(pid))
+        self.share: float | None = None
+
+    def busy(self) -> bool:
+        now = time.monotonic()
+        if now - self.last[0] < self.seconds:
+            return False
+        cur = (now, cpu_busy_seconds(), process_cpu_seconds(self.pid))
+        if None in cur or None in self.last:
+            return False
+        others = (cur[1] - self.last[1]) - (cur[2] - self.last[2])
+        self.share = max(0.0, others / ((cur[0] - self.last[0]) * (os.cpu_count() or 1)))
+        self.last = cur
+        self.streak = self.streak + 1 if self.share >= BUSY_SHARE else 0
+        return self.streak >= 2
+
+
 def foreign_cpu_share(seconds: float = 0.2) -> float | None:
     """The share of the machine's CPU that other processes use now: busy time over `seconds` of sleep here,
     over all cores."""

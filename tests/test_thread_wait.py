@@ -97,3 +97,21 @@ def test_poll_reaches_llama_bench(monkeypatch):
     assert seen["cmd"][0] == "/b/llama-bench" and seen["cmd"][-2:] == ["--poll", "50"]
     with pytest.raises(Exception, match="give --tools"):
         thread_wait.decode_ms("m", [], "poll50", 2, 10, "p", 10)
+
+
+def test_serve_says_when_the_machine_gets_busy_after_the_server_started(capsys):
+    """choose_thread_wait decides when the server starts; a load that starts later is noticed by serve's watch
+    (two windows in a row) and said once. The server here is a stand-in that sleeps."""
+    import os
+    import sys
+
+    from sparq_cpp.cli.serve import run_server
+
+    with thread_wait.Load(os.cpu_count() or 1):
+        rc = run_server([sys.executable, "-c", "import time; time.sleep(2.5)"], {**os.environ}, watch_s=0.5)
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert err.count("other processes now use") == 1 and "OMP_WAIT_POLICY=passive" in err, err
+    rc = run_server([sys.executable, "-c", "import time; time.sleep(1.5)"], {**os.environ, "OMP_WAIT_POLICY": "passive"},
+                    watch_s=0.5)
+    assert rc == 0 and "other processes" not in capsys.readouterr().err
