@@ -79,27 +79,30 @@ def _layers(n_kv, n_head_kv, D, budget):
     return int(max(2, min(16, budget // per_layer)))
 
 
-def random_layer(rng, n_kv, n_head, n_head_kv, D):
-    """One layer's query, K and V (standard normal, f32 [n_kv, n_head_kv, D]) and the mean of V."""
-    q = rng.standard_normal((1, n_head, D), dtype=np.float32)
-    kk = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
-    vv = rng.standard_normal((n_kv, n_head_kv, D), dtype=np.float32)
-    return q, kk, vv, vv.mean(axis=0)[None].astype(np.float32)
+def random_layer(rng, n_kv, n_head, n_head_kv, D, n_seq=1):
+    """One layer's queries (one row per sequence), K and V (standard normal, f32 [n_seq * n_kv, n_head_kv, D]:
+    the sequences' cells one after the other, as in a unified cache) and each sequence's mean of V."""
+    q = rng.standard_normal((n_seq, n_head, D), dtype=np.float32)
+    kk = rng.standard_normal((n_seq * n_kv, n_head_kv, D), dtype=np.float32)
+    vv = rng.standard_normal((n_seq * n_kv, n_head_kv, D), dtype=np.float32)
+    vm = vv.reshape(n_seq, n_kv, n_head_kv, D).mean(axis=1).astype(np.float32)
+    return q, kk, vv, vm
 
 
 def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0,
-                loki_d=None, loki_l=0):
+                loki_d=None, loki_l=0, n_seq=1):
     """{"sparq"|"dense"|"loki": (median, min) seconds per layer} and the number of layers; Loki (on the
     same K/V, standing in for the rotated cache: the op's cost does not depend on the basis) only with
-    loki_d."""
+    loki_d. n_seq sequences decode together (llama-server's slots in one batch): a query row each, each seeing
+    its own n_kv cells of a unified cache (the mask), as llama.cpp's graph gives the op."""
     rng = np.random.default_rng(seed)
-    L = _layers(n_kv, n_head_kv, D, budget)
+    L = _layers(n_seq * n_kv, n_head_kv, D, budget)
     scale = 1.0 / np.sqrt(D)
-    mask = np.ones((1, n_kv), dtype=bool)
-    pos = np.arange(n_kv, dtype=np.int32)
+    mask = np.kron(np.eye(n_seq, dtype=bool), np.ones((1, n_kv), dtype=bool))  # row s sees sequence s's cells
+    pos = np.tile(np.arange(n_kv, dtype=np.int32), n_seq)
     with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd, go.Graph(n_tensors=32 * L) as gl:
         for _ in range(L):
-            q, kk, vv, vm = random_layer(rng, n_kv, n_head, n_head_kv, D)
+            q, kk, vv, vm = random_layer(rng, n_kv, n_head, n_head_kv, D, n_seq)
             cache = go.KVCache(gs, kk, vv, "f16")
             del kk, vv
             qt = go.q_tensor(gs, q)
@@ -141,6 +144,10 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
 @click.option("-l", "l", default=32, show_default=True)
 @click.option("--loki-d", default=32, show_default=True, help="Loki: components used for ranking (0: no Loki)")
 @click.option("--loki-l", default=0, show_default=True, help="Loki: most recent positions always kept")
+@click.option("--n-seq", "n_seqs", default="1", show_default=True,
+              help="Sequences decoding together (comma-separated list): a query row each over its own n_kv cells "
+                   "of one unified cache, as llama-server's slots; times, bytes and GB/s are of the whole step, and "
+                   "each row says how it compares with n_seq steps of one sequence.")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reps", default=7, show_default=True)
 @click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
@@ -149,7 +156,7 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
                    "the kernel's THP mode is 'madvise' or 'always'); '4k' turns it off, the pages llama.cpp's cache "
                    "gets unless THP is 'always'")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, mem_budget_gb, pages, json_out):
+def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, threads, reps, mem_budget_gb, pages, json_out):
     try:
         sizes = [int(x) for x in n_kvs.split(",")]
     except ValueError:
@@ -157,6 +164,13 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                                  param_hint="--n-kv") from None
     if any(n < 1 for n in sizes):
         raise click.BadParameter(f"{n_kvs!r}: cell counts must be at least 1", param_hint="--n-kv")
+    try:
+        seqs = [int(x) for x in n_seqs.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{n_seqs!r}: a comma-separated list of sequence counts, e.g. 1,4,8",
+                                 param_hint="--n-seq") from None
+    if any(s < 1 for s in seqs):
+        raise click.BadParameter(f"{n_seqs!r}: sequence counts must be at least 1", param_hint="--n-seq")
     if not go.has_sparq_attn():
         raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
     if json_out:
@@ -174,34 +188,46 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                "(achieved GB/s / read bandwidth) from the medians; %adj: against the higher of the bandwidths "
                "measured just before and just after the row (GB/s in the last column)")
     methods = ["sparq"] + (["loki"] if loki_d else [])
-    head = f"{'n_kv':>6} {'L':>3} {'dense ms':>17}"
+    head = f"{'n_kv':>6} {'seq':>3} {'L':>3} {'dense ms':>17}"
     for m in methods:
         head += f" {m + ' ms':>15} {'speedup':>8} {'%bw':>5} {'%adj':>5} {'MB':>7}"
     click.echo(head + f" {'MB dense':>9} {'dense GB/s':>10} {'GB/s before / after':>19}")
     rows = []
     bw_before = bw
     for n in sizes:
-        res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
-                             loki_d=loki_d or None, loki_l=loki_l)
-        bw_after, _ = measure_bandwidth(threads)
-        bw_adj = max(bw_before, bw_after)
-        td, td_min = res["dense"]
-        nbytes = {"dense": bytes_dense(n, D, n_head_kv), "sparq": bytes_sparq(n, D, n_head_kv, r, k)}
-        if loki_d:
-            nbytes["loki"] = bytes_loki(n, D, n_head_kv, loki_d, k)
-        row = dict(n_kv=n, layers=L, dense_s=td, dense_min_s=td_min, dense_bytes=nbytes["dense"],
-                   dense_gbs=nbytes["dense"] / td / 1e9, bandwidth_before_gbs=bw_before, bandwidth_after_gbs=bw_after)
-        line = f"{n:>6} {L:>3} {td*1e3:>8.3f} ({td_min*1e3:>6.2f})"
-        for m in methods:
-            t, t_min = res[m]
-            gbs = nbytes[m] / t / 1e9
-            row.update({f"{m}_s": t, f"{m}_min_s": t_min, f"{m}_bytes": nbytes[m], f"{m}_gbs": gbs,
-                        f"{m}_speedup": td / t, f"{m}_bw_frac": gbs / bw, f"{m}_bw_frac_adj": gbs / bw_adj})
-            line += (f" {t*1e3:>6.3f} ({t_min*1e3:>5.2f}) {td / t:>7.1f}x {100 * gbs / bw:>4.0f}%"
-                     f" {100 * gbs / bw_adj:>4.0f}% {nbytes[m]/1e6:>7.2f}")
-        rows.append(row)
-        click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>9.1f} / {bw_after:.1f}")
-        bw_before = bw_after
+        one = None  # the n_seq = 1 row of this n_kv, for the per-sequence comparison
+        for s in seqs:
+            res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
+                                 loki_d=loki_d or None, loki_l=loki_l, n_seq=s)
+            bw_after, _ = measure_bandwidth(threads)
+            bw_adj = max(bw_before, bw_after)
+            td, td_min = res["dense"]
+            nbytes = {"dense": s * bytes_dense(n, D, n_head_kv), "sparq": s * bytes_sparq(n, D, n_head_kv, r, k)}
+            if loki_d:
+                nbytes["loki"] = s * bytes_loki(n, D, n_head_kv, loki_d, k)
+            row = dict(n_kv=n, n_seq=s, layers=L, dense_s=td, dense_min_s=td_min, dense_bytes=nbytes["dense"],
+                       dense_gbs=nbytes["dense"] / td / 1e9, bandwidth_before_gbs=bw_before,
+                       bandwidth_after_gbs=bw_after)
+            line = f"{n:>6} {s:>3} {L:>3} {td*1e3:>8.3f} ({td_min*1e3:>6.2f})"
+            for m in methods:
+                t, t_min = res[m]
+                gbs = nbytes[m] / t / 1e9
+                row.update({f"{m}_s": t, f"{m}_min_s": t_min, f"{m}_bytes": nbytes[m], f"{m}_gbs": gbs,
+                            f"{m}_speedup": td / t, f"{m}_bw_frac": gbs / bw, f"{m}_bw_frac_adj": gbs / bw_adj})
+                if one is not None:  # the step of s sequences against s steps of one
+                    row[f"{m}_vs_separate"] = t / (s * one[f"{m}_s"])
+                line += (f" {t*1e3:>6.3f} ({t_min*1e3:>5.2f}) {td / t:>7.1f}x {100 * gbs / bw:>4.0f}%"
+                         f" {100 * gbs / bw_adj:>4.0f}% {nbytes[m]/1e6:>7.2f}")
+            if one is not None:
+                row["dense_vs_separate"] = td / (s * one["dense_s"])
+                line += "  vs separate: " + ", ".join(f"{m} {row[f'{m}_vs_separate']:.2f}x"
+                                                      for m in ["dense"] + methods)
+            if s == 1:
+                one = row
+            rows.append(row)
+            click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>9.1f} / "
+                       f"{bw_after:.1f}")
+            bw_before = bw_after
     bw_end = bw_before
     for row in rows:
         for m in methods:
@@ -212,7 +238,8 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, threads, reps, me
                + ", ".join(f"{m} {100 * last[f'{m}_bw_frac_end']:.0f}%" for m in methods))
     if json_out:
         doc = dict(bandwidth_gbs=bw, bandwidth_end_gbs=bw_end, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
-                   loki_d=loki_d, loki_l=loki_l, threads=threads, pages=pages, thp_mode=thp, rows=rows)
+                   loki_d=loki_d, loki_l=loki_l, threads=threads, pages=pages, thp_mode=thp, cpu_model=machine.cpu_model(),
+                   rows=rows)
         atomic_write(json_out, lambda tmp: tmp.write_text(json.dumps(doc, indent=2)), "--json")
 
 
