@@ -150,13 +150,17 @@ class CpuMonitor:
         t = os.times()
         self.own0 = t.user + t.system
 
+    # the kernel counts CPU time in ticks of 10 ms (USER_HZ 100): a shorter window says nothing either way
+    MIN_WALL_S = 0.1
+
     def foreign_share(self) -> float | None:
+        """None where /proc/stat is missing or the window was shorter than MIN_WALL_S."""
         busy = _cpu_busy_seconds()
-        if busy is None or self.busy0 is None:
+        wall = time.perf_counter() - self.t0
+        if busy is None or self.busy0 is None or wall < self.MIN_WALL_S:
             return None
         t = os.times()
         own = t.user + t.system - self.own0
-        wall = time.perf_counter() - self.t0
         cores = os.cpu_count() or 1
         return max(0.0, (busy - self.busy0 - own) / max(wall * cores, 1e-9))
 

@@ -48,7 +48,8 @@ def test_generate_warns_when_other_processes_hold_the_cpu():
     from conftest import run_cli
 
     with thread_wait.Load(os.cpu_count() or 1):
-        proc = run_cli("generate", "-n", "24", "--temp", "0", "-t", "1", timeout=300)
+        # long enough for the kernel's 10 ms CPU accounting to tell (CpuMonitor.MIN_WALL_S)
+        proc = run_cli("generate", "-n", "480", "-c", "512", "--ignore-eos", "--temp", "0", "-t", "1", timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "warning: other processes used" in proc.stderr, proc.stderr[-800:]
     assert "threads other processes use" in proc.stderr and "OMP_WAIT_POLICY=passive" in proc.stderr
