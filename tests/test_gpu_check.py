@@ -342,7 +342,7 @@ def test_bundle_contents_and_model_writer(tmp_path):
         assert dropped not in names, dropped
     assert not [n for n in names if "__pycache__" in n or n.startswith("sparq/py/gguf/scripts")]
     # the trimmed folders get CMake lists of their own
-    assert (x / "tests/CMakeLists.txt").read_text() == gpu_check.TESTS_CMAKELISTS
+    assert (x / "tests/CMakeLists.txt").read_text() == gpu_check.source("tests.cmake")
     assert "add_subdirectory(llama-bench)" in (x / "tools/CMakeLists.txt").read_text()
     assert "miniaudio" not in (x / "vendor/CMakeLists.txt").read_text()
     assert (out / "SERIES").read_text().startswith("series_hash ")
@@ -397,7 +397,7 @@ def test_op_bench_runs_on_the_cpu(tmp_path):
     if tree is None or lib is None or not (lib / "libggml.so").exists():
         pytest.skip("no installed build of the current series (make setup): its ggml builds the op bench")
     src = tmp_path / "op-bench.cpp"
-    src.write_text(gpu_check.OP_BENCH_CPP)
+    src.write_text(gpu_check.source("op-bench.cpp"))
     exe = tmp_path / "op-bench"
     proc = subprocess.run(["g++", "-O1", "-std=c++17", f"-I{tree / 'ggml' / 'include'}", str(src), f"-L{lib}", "-lggml",
                            "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)], capture_output=True, text=True, timeout=300)
@@ -456,3 +456,23 @@ def test_real_bundle_configures_with_nvcc(tmp_path):
         assert f"build {target}" in ninja, target
     assert "fattn-vec-instance-q8_0-q8_0.cu" in ninja and "fattn-vec-instance-q4_0-q4_0.cu" not in ninja
     assert "GGML_CUDA_USE_GRAPHS" in ninja
+
+
+def test_the_bundle_files_are_code_that_is_checked(tmp_path):
+    """tools/gpu-check holds the bundle's programs as real files: run.sh passes `bash -n`, the model writer
+    compiles, bw.cu compiles with nvcc (where it is installed; op-bench.cpp is built and run on the CPU above), and
+    the bundle carries them byte for byte."""
+    from sparq_cpp.pyext import cuda as pcuda
+
+    proc = subprocess.run(["bash", "-n", str(gpu_check.SOURCES / "run.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    compile(gpu_check.source("write_model.py"), "write_model.py", "exec")
+    nvcc = pcuda.find_nvcc()
+    if nvcc is not None:
+        proc = subprocess.run([str(nvcc), "-c", str(gpu_check.SOURCES / "bw.cu"), "-o", str(tmp_path / "bw.o")],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(gpu_check.BUNDLE_FILES.values()) | {"run.sh"} == {p.name for p in gpu_check.SOURCES.iterdir()
+                                                                 if p.name != "README.md"}
+    run = gpu_check.write_run_sh(tmp_path / "b")
+    assert run.read_bytes() == (gpu_check.SOURCES / "run.sh").read_bytes() and run.stat().st_mode & 0o111

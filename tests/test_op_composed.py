@@ -47,7 +47,7 @@ def op_bench(tmp_path_factory) -> Path:
         pytest.skip("no installed build with ggml_sparq_attn (make setup): its ggml builds the op bench")
     d = tmp_path_factory.mktemp("op-composed")
     src = d / "op-bench.cpp"
-    src.write_text(gpu_check.OP_BENCH_CPP)
+    src.write_text(gpu_check.source("op-bench.cpp"))
     exe = d / "op-bench"
     proc = subprocess.run(["g++", "-O1", "-std=c++17", f"-I{inc}", str(src), f"-L{lib}", "-lggml", "-lggml-base",
                            f"-Wl,-rpath,{lib}", "-o", str(exe)], capture_output=True, text=True, timeout=300)

@@ -1,0 +1,12 @@
+# ggml (CPU and CUDA backends) and test-backend-ops alone: the GPU check's fallback when the whole tree does not configure
+cmake_minimum_required(VERSION 3.14)
+project(sparq-gpu-check-ops C CXX)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_subdirectory(../ggml ggml)
+add_executable(test-backend-ops ../tests/test-backend-ops.cpp)
+target_link_libraries(test-backend-ops PRIVATE ggml)
+target_compile_features(test-backend-ops PRIVATE cxx_std_17)
+add_executable(sparq-op-bench ../sparq/op-bench.cpp)
+target_link_libraries(sparq-op-bench PRIVATE ggml)
+target_compile_features(sparq-op-bench PRIVATE cxx_std_17)

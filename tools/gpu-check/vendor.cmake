@@ -1,0 +1,6 @@
+# what libllama and common need (the sparq-cpp GPU check)
+add_subdirectory(nlohmann)
+add_subdirectory(sheredom)
+if (LLAMA_BUILD_COMMON)
+    add_subdirectory(cpp-httplib)
+endif()
