@@ -74,6 +74,22 @@ def bytes_loki(n, D, n_head_kv, d, k, ts=2):
     return n_head_kv * (n * d + 2 * min(k, n) * D + 2 * D) * ts
 
 
+def phase_line(row: dict, m: str, ns, threads: int, bw: float, rank_bytes: int) -> str:
+    """The kernel's phases of method m into row (per layer: ms of one thread's share, GB/s of what each reads:
+    ranking its K^T rows or Loki's prefixes, attention the rest of the op's bytes) and the line that says them."""
+    ms = [x / threads / 1e6 for x in ns]  # the threads' summed time over their number: the wall time if balanced
+    attend_bytes = row[f"{m}_bytes"] - rank_bytes
+    row[f"{m}_phases"] = {
+        "rank_ms": ms[0], "select_ms": ms[1], "attend_ms": ms[2], "rank_bytes": rank_bytes, "attend_bytes": attend_bytes,
+        "rank_gbs": rank_bytes / ms[0] / 1e6 if ms[0] else None,
+        "attend_gbs": attend_bytes / ms[2] / 1e6 if ms[2] else None,
+        "covered": sum(ms) / (row[f"{m}_s"] * 1e3)}  # the share of the op's time the phases account for
+    p = row[f"{m}_phases"]
+    gbs = lambda x: "-" if x is None else f"{x:.1f} GB/s ({100 * x / bw:.0f}%)"  # noqa: E731
+    return (f"{m} phases: rank {ms[0]:.3f} ms {gbs(p['rank_gbs'])}, select {ms[1]:.3f} ms, attend {ms[2]:.3f} ms "
+            f"{gbs(p['attend_gbs'])}; {100 * p['covered']:.0f}% of the op's time")
+
+
 def _layers(n_kv, n_head_kv, D, budget):
     per_layer = 3 * n_kv * n_head_kv * D * 2  # k, v, kt f16
     return int(max(2, min(16, budget // per_layer)))
@@ -90,7 +106,7 @@ def random_layer(rng, n_kv, n_head, n_head_kv, D, n_seq=1):
 
 
 def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0,
-                loki_d=None, loki_l=0, n_seq=1):
+                loki_d=None, loki_l=0, n_seq=1, phases=None):
     """{"sparq"|"dense"|"loki": (median, min) seconds per layer} and the number of layers; Loki (on the
     same K/V, standing in for the rotated cache: the op's cost does not depend on the basis) only with
     loki_d. n_seq sequences decode together (llama-server's slots in one batch): a query row each, each seeing
@@ -131,6 +147,14 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
                 g.compute(n_threads)
                 ts[name].append((time.perf_counter() - t0) / L)
         res = {name: (statistics.median(t), min(t)) for name, t in ts.items()}
+        if phases is not None:  # the kernel's phase counters (a profiling build), over repeats of their own
+            for name, g in graphs:
+                if name == "dense":
+                    continue
+                go.sparse_attn_phases()
+                for _ in range(reps):
+                    g.compute(n_threads)
+                phases[name] = [ns / (reps * L) for ns in go.sparse_attn_phases()]
     return res, L
 
 
@@ -148,6 +172,10 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
               help="Sequences decoding together (comma-separated list): a query row each over its own n_kv cells "
                    "of one unified cache, as llama-server's slots; times, bytes and GB/s are of the whole step, and "
                    "each row says how it compares with n_seq steps of one sequence.")
+@click.option("--phases", is_flag=True,
+              help="Also time the kernel's phases (ranking, selection, attention) by its counters: needs a build "
+                   "with them (python -m sparq_cpp.pyext.build --no-install "
+                   "--cmake-arg=-DCMAKE_CXX_FLAGS=-DGGML_SPARSE_ATTN_PROFILE, then SPARQ_CPP_LIB_DIR=its bin folder).")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reps", default=7, show_default=True)
 @click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
@@ -156,7 +184,8 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
                    "the kernel's THP mode is 'madvise' or 'always'); '4k' turns it off, the pages llama.cpp's cache "
                    "gets unless THP is 'always'")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, threads, reps, mem_budget_gb, pages, json_out):
+def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, threads, reps, mem_budget_gb, pages,
+         json_out):
     try:
         sizes = [int(x) for x in n_kvs.split(",")]
     except ValueError:
@@ -173,6 +202,10 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, threads, 
         raise click.BadParameter(f"{n_seqs!r}: sequence counts must be at least 1", param_hint="--n-seq")
     if not go.has_sparq_attn():
         raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
+    if phases and go.sparse_attn_phases() is None:
+        raise SparqError(f"--phases: the ggml of {go.lib_dir()} has no phase counters; build one with "
+                         "`python -m sparq_cpp.pyext.build --no-install --cmake-arg=-DCMAKE_CXX_FLAGS="
+                         "-DGGML_SPARSE_ATTN_PROFILE` and set SPARQ_CPP_LIB_DIR to its cmake-build/bin")
     if json_out:
         check_writable(json_out, "--json")  # now, not after the long run
     huge_before = _numpy_huge_pages(pages == "huge")
@@ -197,8 +230,9 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, threads, 
     for n in sizes:
         one = None  # the n_seq = 1 row of this n_kv, for the per-sequence comparison
         for s in seqs:
+            ph = {} if phases else None
             res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
-                                 loki_d=loki_d or None, loki_l=loki_l, n_seq=s)
+                                 loki_d=loki_d or None, loki_l=loki_l, n_seq=s, phases=ph)
             bw_after, _ = measure_bandwidth(threads)
             bw_adj = max(bw_before, bw_after)
             td, td_min = res["dense"]
@@ -227,6 +261,9 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, threads, 
             rows.append(row)
             click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>9.1f} / "
                        f"{bw_after:.1f}")
+            for m, ns in (ph or {}).items():
+                click.echo("       " + phase_line(row, m, ns, threads, bw_adj,
+                                                  rank_bytes=s * n_head_kv * n * (r if m == "sparq" else loki_d) * 2))
             bw_before = bw_after
     bw_end = bw_before
     for row in rows:

@@ -115,3 +115,26 @@ def test_several_sequences_see_only_their_own_cells():
     alone = sparq_attn(q[1:], kk[n_kv:], vv[n_kv:], np.ones((1, n_kv), bool), pos[:n_kv], 0.25, 16, n_kv, 0,
                        mean_value=False)
     np.testing.assert_allclose(both[1], alone[0], rtol=2e-3, atol=2e-3)
+
+
+def test_phases_need_the_counters_and_are_accounted(tmp_path, monkeypatch):
+    """--phases reads the kernel's phase counters (a profiling build): without them it says how to build one; with
+    them (stood in for here: the installed build has none) each method's row gets per-phase ms and the bytes of
+    the ranking (its K^T rows, or Loki's prefixes) and of the attention (the rest of the transfer formula)."""
+    monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (50.0, "stub"))
+    args = ["--n-kv", "256", "--n-head", "4", "--n-head-kv", "2", "-r", "8", "-k", "32", "-l", "8", "--loki-d", "8",
+            "--reps", "2", "--mem-budget-gb", "0.001", "--phases"]
+    if go.sparse_attn_phases() is None:
+        res = CliRunner().invoke(op_bench.main, args)
+        assert res.exit_code != 0 and "GGML_SPARSE_ATTN_PROFILE" in str(res.exception), res.output
+    monkeypatch.setattr(go, "sparse_attn_phases", lambda: (4_000_000, 1_000_000, 2_000_000))
+    out = tmp_path / "op.json"
+    res = CliRunner().invoke(op_bench.main, args + ["--json", str(out)])
+    assert res.exit_code == 0, res.output
+    row = json.loads(out.read_text())["rows"][0]
+    for m, width in (("sparq", 8), ("loki", 8)):
+        p = row[f"{m}_phases"]
+        assert p["rank_bytes"] == 2 * 256 * width * 2
+        assert p["rank_bytes"] + p["attend_bytes"] == row[f"{m}_bytes"]
+        assert p["rank_ms"] > 0 and p["select_ms"] > 0 and p["attend_ms"] > 0
+    assert "sparq phases: rank" in res.output

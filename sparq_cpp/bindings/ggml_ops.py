@@ -212,6 +212,21 @@ def lib(directory: Path | None = None) -> _Lib:
     return _LIBS[d]
 
 
+def sparse_attn_phases(directory: Path | None = None) -> tuple[int, int, int] | None:
+    """Nanoseconds the CPU kernel spent in each phase (ranking, selection, attention) since the last call, summed
+    over threads and calls; None for a build without -DGGML_SPARSE_ATTN_PROFILE (the counters cost nothing there
+    because they do not exist)."""
+    cpu = lib(directory).cpu
+    try:
+        f = cpu.ggml_cpu_sparse_attn_phases
+    except AttributeError:
+        return None
+    f.restype, f.argtypes = None, [ctypes.POINTER(ctypes.c_int64)]
+    out = (ctypes.c_int64 * 3)()
+    f(out)
+    return out[0], out[1], out[2]
+
+
 def has_sparq_attn(directory: Path | None = None) -> bool:
     try:
         return lib(directory).has_sparq_attn

@@ -17,6 +17,11 @@
 #include <cmath>
 #include <cstring>
 
+#ifdef GGML_SPARSE_ATTN_PROFILE
+#include <atomic>
+#include <chrono>
+#endif
+
 static constexpr int64_t GGML_SPARSE_ATTN_CHUNK     = 1024;
 static constexpr int64_t GGML_SPARSE_ATTN_TILE      = 256;  // kt cells converted at a time on the plain path
 static constexpr int64_t GGML_SPARSE_ATTN_STRIDE    = 32;   // the top-k threshold is estimated from at most every 32nd visible cell
@@ -1861,6 +1866,43 @@ static void ggml_sparse_attn_attend(const ggml_sparse_attn_ctx & ctx, int ith, i
 
 // kv heads per thread: (row, kv head) items, handed out one at a time. Each thread scores, selects and attends
 // whole kv heads, and the gather of one head's selected K/V rows overlaps with the scoring of the thread's next head.
+#ifdef GGML_SPARSE_ATTN_PROFILE
+// a profile of the kernel's phases, for the op bench's --phases (a build with -DGGML_SPARSE_ATTN_PROFILE): the
+// nanoseconds spent in each, summed over the threads and the calls; the phases overlap a little (the next kv head's
+// first requests are made while this one's are selected)
+enum ggml_sparse_attn_phase {
+    GGML_SPARSE_ATTN_RANK,   // choosing the query's components and scoring every visible cell (K^T rows, Loki's prefixes)
+    GGML_SPARSE_ATTN_SELECT, // the local window, the sink and the top-k
+    GGML_SPARSE_ATTN_ATTEND, // gathering the selected K and V rows, the exact attention and the mean value
+    GGML_SPARSE_ATTN_N_PHASES,
+};
+
+static std::atomic<int64_t> ggml_sparse_attn_phase_ns[GGML_SPARSE_ATTN_N_PHASES];
+
+static int64_t ggml_sparse_attn_now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+#define GGML_SPARSE_ATTN_PHASE(phase, ...) do {                                  \
+        const int64_t t0_ = ggml_sparse_attn_now_ns();                            \
+        __VA_ARGS__;                                                              \
+        ggml_sparse_attn_phase_ns[phase] += ggml_sparse_attn_now_ns() - t0_;      \
+    } while (0)
+
+// the nanoseconds of each phase (rank, select, attend) since the last call, which zeroes them
+extern "C" {
+GGML_BACKEND_API void ggml_cpu_sparse_attn_phases(int64_t * ns);
+}
+
+void ggml_cpu_sparse_attn_phases(int64_t * ns) {
+    for (int i = 0; i < GGML_SPARSE_ATTN_N_PHASES; ++i) {
+        ns[i] = ggml_sparse_attn_phase_ns[i].exchange(0);
+    }
+}
+#else
+#define GGML_SPARSE_ATTN_PHASE(phase, ...) __VA_ARGS__
+#endif
+
 static void ggml_sparse_attn_forward_per_head(ggml_sparse_attn_ctx & ctx, const ggml_compute_params * params) {
     const int ith = params->ith;
     const int nth = params->nth;
@@ -1895,7 +1937,7 @@ static void ggml_sparse_attn_forward_per_head(ggml_sparse_attn_ctx & ctx, const 
 
         if (it/ctx.n_head_kv != row) {
             if (h_pend >= 0) {
-                ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h_pend, sel, n_sel, alpha);
+                GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_ATTEND, ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h_pend, sel, n_sel, alpha));
                 h_pend = -1;
             }
 
@@ -1911,17 +1953,17 @@ static void ggml_sparse_attn_forward_per_head(ggml_sparse_attn_ctx & ctx, const 
             int32_t               * local = ctx.local<int32_t>(ith, ctx.l.head_local_cells);
             ggml_sparse_attn_cand * last  = ctx.local<ggml_sparse_attn_cand>(ith, ctx.l.head_local_last);
             int32_t               * sink  = ctx.local<int32_t>(ith, ctx.l.head_sink_cells);
-            ggml_sparse_attn_select_local(ctx, ith, mp, pp, local, last, sink);
+            GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_SELECT, ggml_sparse_attn_select_local(ctx, ith, mp, pp, local, last, sink));
             ctx.local_cells = local;
             ctx.local_last  = last;
             ctx.sink_cells  = sink;
         }
 
         if (h_prep != h) {
-            ggml_sparse_attn_prepare_sparq(ctx, ith, iq1, iq3, h);
+            GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_prepare_sparq(ctx, ith, iq1, iq3, h));
         }
         for (int64_t c = 0; c < ctx.l.n_chunk; ++c) {
-            ggml_sparse_attn_phase1_sparq(ctx, ith, iq3, h, c, mp);
+            GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_phase1_sparq(ctx, ith, iq3, h, c, mp));
         }
 
         // the next kv head of the same row: its components (the selection and the exact attention below do
@@ -1931,7 +1973,7 @@ static void ggml_sparse_attn_forward_per_head(ggml_sparse_attn_ctx & ctx, const 
         ctx.la  = nullptr;
         if (it_next < n_items && it_next/ctx.n_head_kv == row && ctx.i_vis < ctx.n_kv) {
             h_prep = it_next % ctx.n_head_kv;
-            ggml_sparse_attn_prepare_sparq(ctx, ith, iq1, iq3, h_prep);
+            GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_prepare_sparq(ctx, ith, iq1, iq3, h_prep));
 
             const ggml_tensor * kt = ctx.kt;
             la.kt      = (const char *) kt->data + h_prep*kt->nb[2] + iq3*kt->nb[3] + ctx.i_vis*kt->nb[0];
@@ -1945,17 +1987,19 @@ static void ggml_sparse_attn_forward_per_head(ggml_sparse_attn_ctx & ctx, const 
         }
 
         if (h_pend >= 0) {
-            ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h_pend, sel, n_sel, alpha);
+            GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_ATTEND, ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h_pend, sel, n_sel, alpha));
             h_pend = -1;
         }
-        if (ggml_sparse_attn_select(ctx, ith, iq1, iq3, h, mp, pp, sel, &n_sel, alpha)) {
+        bool selected;
+        GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_SELECT, selected = ggml_sparse_attn_select(ctx, ith, iq1, iq3, h, mp, pp, sel, &n_sel, alpha));
+        if (selected) {
             h_pend = h;
             ggml_sparse_attn_prefetch_rows(ctx, iq3, h, sel, n_sel);
         }
         ctx.la = nullptr;
     }
     if (h_pend >= 0) {
-        ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h_pend, sel, n_sel, alpha);
+        GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_ATTEND, ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h_pend, sel, n_sel, alpha));
     }
 }
 
@@ -1989,26 +2033,27 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
             const int64_t it1 = (n_items*(ith + 1))/nth;
 
             if (ith == 0) {
-                ggml_sparse_attn_select_local(ctx, ith, mp, pp, ctx.shared<int32_t>(ctx.l.local_cells), ctx.shared<ggml_sparse_attn_cand>(ctx.l.local_last),
-                        ctx.shared<int32_t>(ctx.l.sink_cells));
+                GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_SELECT, ggml_sparse_attn_select_local(ctx, ith, mp, pp,
+                        ctx.shared<int32_t>(ctx.l.local_cells), ctx.shared<ggml_sparse_attn_cand>(ctx.l.local_last),
+                        ctx.shared<int32_t>(ctx.l.sink_cells)));
             }
 
             if (loki && it0 < it1) {
-                ggml_sparse_attn_prepare_loki(ctx, ith, iq1, iq3);
+                GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_prepare_loki(ctx, ith, iq1, iq3));
             }
 
             int64_t h_prep = -1;
             for (int64_t it = it0; it < it1; ++it) {
                 if (loki) {
-                    ggml_sparse_attn_phase1_loki(ctx, ith, iq3, it, mp);
+                    GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_phase1_loki(ctx, ith, iq3, it, mp));
                     continue;
                 }
                 const int64_t h = it/n_chunk;
                 if (h != h_prep) {
-                    ggml_sparse_attn_prepare_sparq(ctx, ith, iq1, iq3, h);
+                    GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_prepare_sparq(ctx, ith, iq1, iq3, h));
                     h_prep = h;
                 }
-                ggml_sparse_attn_phase1_sparq(ctx, ith, iq3, h, it%n_chunk, mp);
+                GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_phase1_sparq(ctx, ith, iq3, h, it%n_chunk, mp));
             }
 
             ggml_barrier(params->threadpool);
@@ -2021,8 +2066,10 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
             // mostly the heads that this thread has scored in phase 1
             for (int64_t h = (ctx.n_head_kv*ith)/nth; h < (ctx.n_head_kv*(ith + 1))/nth; ++h) {
                 int64_t n_sel = 0;
-                if (ggml_sparse_attn_select(ctx, ith, iq1, iq3, h, mp, pp, sel, &n_sel, alpha)) {
-                    ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h, sel, n_sel, alpha);
+                bool selected;
+                GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_SELECT, selected = ggml_sparse_attn_select(ctx, ith, iq1, iq3, h, mp, pp, sel, &n_sel, alpha));
+                if (selected) {
+                    GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_ATTEND, ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h, sel, n_sel, alpha));
                 }
             }
 
