@@ -52,6 +52,20 @@ def _data(items):
     return out
 
 
+def _domains(items) -> dict:
+    """--domain NAME=PATH: {"bpc:NAME": path}, names unique."""
+    out = {}
+    for item in items:
+        name, eq, path = item.partition("=")
+        if not eq or not path:
+            raise SparqError(f"--domain takes NAME=PATH, got {item!r}")
+        task = tasks.domain_task(name)
+        if task in out:
+            raise SparqError(f"--domain {name} is given twice")
+        out[task] = Path(path)
+    return out
+
+
 @click.command("eval")
 @model_option("GGUF model file, or a real model fetched on first use and checked by sha256 "
               "(sparq_cpp/real_models.py): smollm2-135m; default: the demo model, models/austen.q8_0.gguf.")
@@ -60,6 +74,10 @@ def _data(items):
 @click.option("--data", "data", multiple=True, metavar="TASK=PATH",
               help="Read a task's samples from this file (formats: `sparq-cpp eval --help-formats`); "
                    "default: generated data.")
+@click.option("--domain", "domain_items", multiple=True, metavar="NAME=PATH",
+              help="Also score bits per character on this domain's text (repeatable; task bpc:NAME, with --samples, "
+                   "--context and --continuation as bpc): the table and the JSON's \"domains\" give each domain's "
+                   "loss against dense and the worst. `python -m sparq_cpp.train eval-data` writes four.")
 @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
               help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite, alisa "
                    "(reference); METHOD@ref or METHOD@llama picks the backend (alisa@llama: llama.cpp's alisa).")
@@ -93,7 +111,7 @@ def _data(items):
               help="Write a PNG: score vs compression per method, a panel per task.")
 @progress_option
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
-def command(model, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
+def command(model, task_list, data, domain_items, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
             sparq_r, sparq_local, loki_d, sink, mean_value, loki_projection, cache_type, threads, seed, json_path,
             plot_path, progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
@@ -118,6 +136,10 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
     for t in task_names:
         if t not in tasks.TASKS:
             raise SparqError(f"unknown task {t!r} (known: {', '.join(tasks.TASKS)})")
+    domain_data = _domains(domain_items)
+    task_names += list(domain_data)
+    if not task_names:
+        raise SparqError("no tasks: give --tasks or --domain NAME=PATH")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):
         if path:
             check_writable(path, option)  # now, not after the run
@@ -128,11 +150,12 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
-        data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_d=loki_d,
+        data={**_data(data), **domain_data}, cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_d=loki_d,
         sink=sink, mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     doc["summary"] = results.summarize(doc["records"])
     doc["grid"] = results.grid(doc["records"])
+    doc["domains"] = results.domains(doc["summary"])
     click.echo(results.format_table(doc))
     if json_path:
         click.echo(f"json: {results.write_json(doc, json_path)}", err=True)

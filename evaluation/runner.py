@@ -81,7 +81,7 @@ def check_requested(cfg: EvalConfig, n_ctx_train: int, model_name: str) -> None:
             "needle": ("--lengths", max(tc.lengths)), "kv": ("--lengths", max(tc.lengths)),
             "copy": ("--context + --copy-words", tc.context + tc.copy_words)}
     for task in cfg.tasks:
-        what, n = asks[task]
+        what, n = asks[tasks.base(task)]
         if n > n_ctx_train:
             raise SparqError(f"{task}: {what} asks for {n} tokens, longer than the model's context "
                              f"({n_ctx_train} tokens, n_ctx_train of {model_name})")
@@ -102,8 +102,8 @@ def run(cfg: EvalConfig, log=print) -> dict:
     summary = check_gguf(cfg.model_path)
     D = summary.head_dim
     for task in cfg.tasks:
-        if task not in tasks.TASKS:
-            raise SparqError(f"unknown task {task!r} (known: {', '.join(tasks.TASKS)})")
+        if tasks.base(task) not in tasks.TASKS or (tasks.base(task) != task and tasks.base(task) != "bpc"):
+            raise SparqError(f"unknown task {task!r} (known: {', '.join(tasks.TASKS)}, bpc:DOMAIN)")
     for task in cfg.data:
         if task not in cfg.tasks:
             raise SparqError(f"--data names task {task!r}, which is not among --tasks ({', '.join(cfg.tasks)})")
