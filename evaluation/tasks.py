@@ -228,6 +228,11 @@ def bpc_samples(text: str, tok: Tokenizer, cfg: TaskConfig, where: str) -> list[
     for i, start in enumerate(_windows(text, cfg.samples, need)):
         piece = tok.encode(text[start: start + need + 64])
         if len(piece) < cfg.context + cfg.continuation:
+            # this part of the text has fewer tokens per character than its start, where the window's length was
+            # estimated (a text of several kinds): take twice as much, from earlier where the text ends too soon
+            start = _word_start(text, min(start, max(0, len(text) - 2 * need)))
+            piece = tok.encode(text[start: start + 2 * need])
+        if len(piece) < cfg.context + cfg.continuation:
             raise SparqError(f"bpc task file {where} is too short for {cfg.samples} sample(s) of "
                              f"{cfg.context} + {cfg.continuation} tokens")
         n0 = cfg.context - len(tok.start)

@@ -7,7 +7,9 @@ best rank of each method, sink and local window per ratio end to end (calib.prob
 on a repeated paragraph), and stores both in the calibration GGUF as loki.fidelity.* keys (`Fidelity` below).
 `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size, among the candidates
 measured at the largest ratio not above the target, to the probed one that loses the fewest bits per character on
-text and retrieval together (without a probe: the least mean output error over the layers), its rank scaled by
+text and retrieval together, the text's loss being that of its worst domain where the probe scored several (prose,
+technical documentation, code, conversation: a setting must hold on text unlike its calibration; without a probe:
+the least mean output error over the layers), its rank scaled by
 target / measured ratio, k the largest whose reads fit the target at n_ctx positions
 (sparq_cpp.transfer.rank_split), l the measured share of k, sink as measured. One setting for the whole model: a
 context has one mode (the cache layout), and choosing the method per layer gained nothing where measured
@@ -42,7 +44,9 @@ class Fidelity:
     """calib.budget's measurement as stored: per candidate (method, ratio, rank, k, l and sink at ctx positions),
     the relative error of its attention output and the attention mass it keeps, with the exact top-k's at its k,
     per measured layer; and calib.probe's: for the probed candidates, the bits per character lost against dense
-    on text and on a retrieval (probe_dense: dense's own, text and retrieval)."""
+    on text and on a retrieval (probe_dense: dense's own, text and retrieval), and where the text was scored per domain
+    (probe_domains), each domain's loss ([candidates, domains]) and dense's bits per character there; probe_text is
+    then the worst domain's loss."""
 
     ctx: int
     windows: int
@@ -63,6 +67,9 @@ class Fidelity:
     probe_text: tuple[float, ...] = ()
     probe_copy: tuple[float, ...] = ()
     probe_dense: tuple[float, ...] = ()
+    probe_domains: tuple[str, ...] = ()
+    probe_domain_loss: np.ndarray | None = None  # [candidates, domains]
+    probe_domain_dense: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.method)
@@ -80,6 +87,10 @@ class Fidelity:
         extra = {} if probe is None else {
             "probed": tuple(bool(x) for x in probe["probed"]), "probe_text": tuple(probe["text"]),
             "probe_copy": tuple(probe["copy"]), "probe_dense": (probe["dense_text"], probe["dense_copy"])}
+        if probe is not None and probe.get("domains"):
+            extra.update(probe_domains=tuple(probe["domains"]),
+                         probe_domain_loss=np.asarray(probe["domain_text"], np.float64).reshape(len(c), -1),
+                         probe_domain_dense=tuple(float(x) for x in probe["domain_dense"]))
         return cls(ctx=fid["ctx"], windows=fid["windows"], held_out=bool(fid.get("held_out", False)),
                    layers=tuple(fid["layers"]), method=tuple(x["method"] for x in c),
                    ratio=tuple(float(x["ratio"]) for x in c), rank=tuple(x["rank"] for x in c),
@@ -87,9 +98,28 @@ class Fidelity:
                    **{key: np.asarray(fid[key], np.float64) for key in ("mass", "exact_mass", "error", "exact_error")},
                    path=Path(path), **extra)
 
+    def worst_text(self, i: int) -> float:
+        """Bits per character lost against dense on text: the worst domain's where the probe scored domains."""
+        if self.probe_domains:
+            return max(float(x) for x in self.probe_domain_loss[i])
+        return self.probe_text[i]
+
+    def worst_domain(self, i: int) -> str:
+        """The domain whose text loses most (the first on a tie); "text" without domains."""
+        if not self.probe_domains:
+            return "text"
+        row = [float(x) for x in self.probe_domain_loss[i]]
+        return self.probe_domains[row.index(max(row))]
+
+    def domain_losses(self, i: int) -> str:
+        """Per domain, the bits per character lost and the loss relative to dense's there."""
+        return ", ".join(f"{d} {float(x):+.3f} ({float(x) / dense:+.1%})" if dense > 0 else f"{d} {float(x):+.3f}"
+                         for d, x, dense in zip(self.probe_domains, self.probe_domain_loss[i], self.probe_domain_dense))
+
     def probe_loss(self, i: int) -> float:
-        """Bits per character lost against dense on text and retrieval together (probed candidates)."""
-        return self.probe_text[i] + self.probe_copy[i]
+        """Bits per character lost against dense on text (its worst domain) and retrieval together (probed
+        candidates)."""
+        return self.worst_text(i) + self.probe_copy[i]
 
     def mean_mass(self, i: int) -> float:
         return float(self.mass[i].mean())
@@ -102,7 +132,10 @@ class Fidelity:
         out = (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]} sink={self.sink[i]}: output error "
                f"{self.mean_error(i):.3f} (exact top-k {float(self.exact_error[i].mean()):.3f}), keeps "
                f"{self.mean_mass(i):.3f} of the attention")
-        if self.probed[i]:
+        if self.probed[i] and self.probe_domains:
+            out += (f", loses bits per character on text per domain: {self.domain_losses(i)} (worst "
+                    f"{self.worst_domain(i)}), and {self.probe_copy[i]:+.3f} on a retrieval")
+        elif self.probed[i]:
             out += (f", loses {self.probe_text[i]:+.3f} bits per character on text and {self.probe_copy[i]:+.3f} on "
                     "a retrieval")
         return out
@@ -123,7 +156,8 @@ def read_fidelity(path) -> Fidelity | None:
             ("windows", "held_out", "layers", "method", "ratio", "rank", "k", "l", "mass", "exact_mass", "error",
              "exact_error")}
     optional = {key: metadata_value(r, f"loki.fidelity.{key}") for key in
-                ("sink", "probed", "probe_text", "probe_copy", "probe_dense")}
+                ("sink", "probed", "probe_text", "probe_copy", "probe_dense", "probe_domains", "probe_domain_loss",
+                 "probe_domain_dense")}
     missing = [key for key, v in keys.items() if v is None]
     if missing:
         raise SparqError(f"{path}: loki.fidelity.{missing[0]} is missing; calibrate the model again")
@@ -151,11 +185,29 @@ def read_fidelity(path) -> Fidelity | None:
                              "calibrate the model again")
         extra.update(probed=tuple(bool(x) for x in probe[0]), probe_text=tuple(float(x) for x in probe[1]),
                      probe_copy=tuple(float(x) for x in probe[2]), probe_dense=tuple(float(x) for x in probe[3]))
+        extra.update(_read_domains(path, optional, n))
     return Fidelity(ctx=int(ctx), windows=int(keys["windows"]), held_out=bool(keys["held_out"]),
                     layers=tuple(int(x) for x in keys["layers"]), method=tuple(keys["method"]),
                     ratio=tuple(float(x) for x in keys["ratio"]), rank=tuple(int(x) for x in keys["rank"]),
                     k=tuple(int(x) for x in keys["k"]), l=tuple(int(x) for x in keys["l"]),
                     **{key: a.reshape(n, L) for key, a in arrays.items()}, path=path, **extra)
+
+
+def _read_domains(path: Path, keys: dict, n: int) -> dict:
+    """The probe's per-domain losses (loki.fidelity.probe_domain*), checked; {} where the file has none."""
+    names, loss, dense = keys["probe_domains"], keys["probe_domain_loss"], keys["probe_domain_dense"]
+    if names is None and loss is None and dense is None:
+        return {}
+    m = len(names) if isinstance(names, list) else 0
+    if m == 0 or not all(isinstance(x, str) and x for x in names) or len(set(names)) != m:
+        raise SparqError(f"{path}: loki.fidelity.probe_domains must name one or more distinct domains; calibrate "
+                         "the model again")
+    for key, value, count in (("probe_domain_loss", loss, n * m), ("probe_domain_dense", dense, m)):
+        if not isinstance(value, list) or len(value) != count or not np.isfinite(np.asarray(value, np.float64)).all():
+            raise SparqError(f"{path}: loki.fidelity.{key} must hold {count} finite values ({m} domains); calibrate "
+                             "the model again")
+    return {"probe_domains": tuple(names), "probe_domain_loss": np.asarray(loss, np.float64).reshape(n, m),
+            "probe_domain_dense": tuple(float(x) for x in dense)}
 
 
 def _measured_ratio(fid: Fidelity, target: float) -> float:
@@ -251,7 +303,7 @@ def known_poor(attention, model_path, summary, projection=None) -> str | None:
     if fid.probed[best] and fid.probed[mine]:
         if fid.probe_loss(best) <= fid.probe_loss(mine) - POOR_PROBE_MARGIN:
             return (f"{where}, this model's calibration ({path.name}) measured {fid.describe(best)}; "
-                    f"{attention.name} at best loses {fid.probe_text[mine]:+.3f} bits per character on text and "
+                    f"{attention.name} at best loses {fid.worst_text(mine):+.3f} bits per character on text and "
                     f"{fid.probe_copy[mine]:+.3f} on a retrieval: --attn auto --ratio 1/{round(1 / base)} picks the "
                     "former")
     elif fid.mean_error(best) <= fid.mean_error(mine) - POOR_MARGIN:
