@@ -116,6 +116,14 @@ class Fidelity:
         return ", ".join(f"{d} {float(x):+.3f} ({float(x) / dense:+.1%})" if dense > 0 else f"{d} {float(x):+.3f}"
                          for d, x, dense in zip(self.probe_domains, self.probe_domain_loss[i], self.probe_domain_dense))
 
+    def worst_relative(self, i: int) -> float:
+        """The largest loss of a probed candidate relative to dense's bits per character, over the domains (or the
+        text)."""
+        if not self.probe_domains:
+            return self.probe_text[i] / self.probe_dense[0] if self.probe_dense[0] > 0 else 0.0
+        return max(float(x) / dense if dense > 0 else 0.0
+                   for x, dense in zip(self.probe_domain_loss[i], self.probe_domain_dense))
+
     def probe_loss(self, i: int) -> float:
         """Bits per character lost against dense on text (its worst domain) and retrieval together (probed
         candidates)."""
@@ -251,6 +259,8 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
     D = summary.head_dim
     i = choose(fid, auto.ratio)
     base = fid.ratio[i]
+    if auto.max_loss is not None:
+        _check_bound(fid, auto, i, path)
     rank = max(1, min(D, round(fid.rank[i] * auto.ratio / base)))
     got = transfer.rank_split(fid.method[i], auto.ratio, n_ctx, D, rank)
     if got is None:
@@ -271,6 +281,24 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
            f"sink={sink} at n_ctx={n_ctx}): at {fid.ctx} positions {fid.describe(i)}{other} (calibration {path.name}, "
            f"{fid.windows} windows{'' if fid.held_out else ', the calibration text itself'})")
     return chosen, why
+
+
+def _check_bound(fid: Fidelity, auto: Auto, i: int, path: Path) -> None:
+    """Refuse a choice measured to lose more than auto.max_loss on a domain, naming the smallest measured ratio whose
+    choice stays within it."""
+    head = f"auto:ratio={auto.ratio:g},max_loss={auto.max_loss:g}: "
+    if not fid.probed[i]:
+        raise SparqError(head + f"{path} has no end-to-end probe to bound the loss by; calibrate the model again with "
+                                "the probe")
+    if fid.worst_relative(i) <= auto.max_loss:
+        return
+    within = next((x for x in sorted(fid.ratio) if fid.probed[j := choose(fid, x)]
+                   and fid.worst_relative(j) <= auto.max_loss), None)
+    raise SparqError(head + f"at ratio {fid.ratio[i]:.4g} the calibration ({path.name}) measured its choice, "
+                     f"{fid.method[i]} {'r' if fid.method[i] == 'sparq' else 'd'}={fid.rank[i]}, losing "
+                     f"{fid.worst_relative(i):+.1%} bits per character on its worst domain, more than "
+                     f"{auto.max_loss:g}; " + (f"the smallest measured ratio within it is {within:.4g}"
+                                               if within is not None else "no measured ratio stays within it"))
 
 
 def known_poor(attention, model_path, summary, projection=None) -> str | None:

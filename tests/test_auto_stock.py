@@ -16,6 +16,7 @@ from sparq_cpp.calib import write_projection  # noqa: E402
 from sparq_cpp.calib.budget import candidates  # noqa: E402
 from sparq_cpp.calib.pca import LokiPCA  # noqa: E402
 from sparq_cpp.calib.probe import pick  # noqa: E402
+from sparq_cpp.errors import SparqError  # noqa: E402
 from sparq_cpp.gguf_check import check_gguf  # noqa: E402
 from sparq_cpp.modelfactory import default_model_path  # noqa: E402
 from sparq_cpp.pyext.build import tool_path  # noqa: E402
@@ -52,12 +53,27 @@ def _fidelity(summary, rig: str, seed: int = 0) -> dict:
     fid = {"ctx": CTX, "windows": 2, "held_out": rig != "tie", "layers": list(range(L)), "candidates": cands,
            "mass": mass.tolist(), "exact_mass": np.minimum(mass + 0.05, 1.0).tolist(),
            "error": error.tolist(), "exact_error": (error * 0.5).tolist()}
-    if rig == "probe":
+    if rig in ("probe", "domains"):
         idx = pick(fid)
         text, copy = rng.uniform(-0.01, 0.1, len(cands)), rng.uniform(0.0, 2.0, len(cands))
         fid["probe"] = {"probed": [int(i in idx) for i in range(len(cands))], "samples": 2, "dense_text": 1.2,
                         "dense_copy": 0.05, "text": [float(x) if i in idx else 0.0 for i, x in enumerate(text)],
                         "copy": [float(x) if i in idx else 0.0 for i, x in enumerate(copy)]}
+    if rig == "domains":
+        # per domain, and rigged so that at every ratio the candidate of least mean loss over the domains is not
+        # the one whose worst domain loses least: the tools must weigh the worst (probe_text says the mean here)
+        loss = rng.uniform(0.0, 0.05, (len(cands), 4))
+        copy = np.full(len(cands), 0.01)
+        for t in (1 / 4, 1 / 8, 1 / 16):
+            at = [i for i in idx if cands[i]["ratio"] == t]
+            loss[at[0]] = [0.0, 0.0, 0.0, 0.12]    # least mean, worst domain 0.12
+            loss[at[-1]] = [0.04, 0.04, 0.04, 0.04]  # worst domain 0.04, the least of all worsts
+            loss[at[1:-1]] = rng.uniform(0.05, 0.1, (len(at) - 2, 4))
+        fid["probe"].update(domains=["prose", "docs", "code", "chat"],
+                            domain_text=[[float(x) if i in idx else 0.0 for x in row] for i, row in enumerate(loss)],
+                            domain_dense=[1.2, 0.9, 0.6, 1.5],
+                            text=[float(row.mean()) if i in idx else 0.0 for i, row in enumerate(loss)],
+                            copy=[float(x) if i in idx else 0.0 for i, x in enumerate(copy)])
     return fid
 
 
@@ -90,7 +106,7 @@ def _context_line(setting) -> str:
 
 @pytest.mark.parametrize("preset, rig", [("tiny", "random"), ("tiny-gqa", "random"), ("tiny", "sparq"),
                                          ("tiny", "loki"), ("tiny-gqa", "tie"), ("tiny", "probe"),
-                                         ("tiny-gqa", "probe")])
+                                         ("tiny-gqa", "probe"), ("tiny", "domains"), ("tiny-gqa", "domains")])
 def test_completion_resolves_auto_as_python_does(tmp_path, preset, rig):
     model, summary = _calibrated(tmp_path, preset, rig)
     cases = [("auto:ratio=1/8", 0.125, 1024, 1), ("auto:ratio=0.1", 0.1, 2048, 1), ("auto", 0.125, 512, 1),
@@ -101,6 +117,27 @@ def test_completion_resolves_auto_as_python_does(tmp_path, preset, rig):
         assert proc.returncode == 0, (spec, proc.stderr[-2000:])
         assert why in proc.stderr, (spec, why, [ln for ln in proc.stderr.splitlines() if "auto:" in ln])
         assert _context_line(want) in proc.stderr, (spec, want)
+        if rig == "domains":  # the worst domain decided: the last probed candidate of the ratio, +0.040 everywhere
+            assert "(worst prose), and +0.010 on a retrieval" in why and "chat +0.040 (+2.7%)" in why, why
+
+
+def test_completion_bounds_auto_as_python_does(tmp_path):
+    """max_loss: both refuse a choice whose worst domain lost more (relative to dense) with the same message, naming
+    the smallest measured ratio within the bound, and accept one within it."""
+    model, summary = _calibrated(tmp_path, "tiny", "domains")
+    # the choices lose +0.040 on every domain; dense's least is 0.6 (code): +6.7% at worst
+    for bound, ok in ((0.07, True), (0.05, False)):
+        spec = f"auto:ratio=1/8,max_loss={bound}"
+        proc = _completion(model, spec, "-c", "1024")
+        try:
+            want, why = resolve(Auto(ratio=0.125, max_loss=bound), model, summary, 1024)
+        except SparqError as e:
+            assert not ok
+            assert proc.returncode != 0 and str(e) in proc.stderr, (str(e), proc.stderr[-2000:])
+            assert "losing +6.7% bits per character on its worst domain, more than 0.05" in str(e)
+            assert "no measured ratio stays within it" in str(e)
+            continue
+        assert ok and proc.returncode == 0 and why in proc.stderr, proc.stderr[-2000:]
 
 
 def test_completion_auto_with_the_file_given(tmp_path):
