@@ -100,7 +100,7 @@ def code() -> tuple[str, str]:
     return join(CODE_HELDOUT), join(CODE_CALIB)
 
 
-def _chat_wheel() -> Path:
+def chat_wheel() -> Path:
     """chatterbot-corpus's wheel in the cache, downloaded with pip on first use and checked by sha256."""
     target = cache_root() / "corpus" / CHAT_WHEEL
     if target.is_file() and sha256_file(target) == CHAT_SHA256:
@@ -143,7 +143,7 @@ def _transcript(convs: list[list[str]]) -> str:
 
 def chat() -> tuple[str, str]:
     """(held out, calibration): the odd and the even conversations, as transcripts."""
-    convs = conversations(_chat_wheel())
+    convs = conversations(chat_wheel())
     return _transcript(convs[1::2]), _transcript(convs[0::2])
 
 
