@@ -58,14 +58,15 @@ def fidelity_table(fid: dict, path) -> str:
     lines = [f"attention output error and mass kept at {fid['ctx']} positions (means over layers {fid['layers']}), "
              "bits per character lost end to end on text and on a retrieval; * = --attn auto",
              "error, mass: the setting's; topk_*: exact top-k at the same k; text, copy: bits per character over dense"
-             + (" (text: the worst domain's; then each domain's)" if names else ""),
+             + (" (text: the worst domain's, relative to dense's; then each domain's, in bits)" if names else ""),
              "ratio  method  rank      k      l sink  error topk_e   mass topk_m    text    copy"
              + "".join(f" {d[:7]:>7s}" for d in names)]
     for t in sorted(set(f.ratio), reverse=True):
         idx = [i for i in range(len(f.method)) if f.ratio[i] == t]
         best = choose(f, t)
         for i in idx:
-            probed = f"{f.worst_text(i):+7.3f} {f.probe_copy[i]:+7.3f}" if f.probed[i] else ""
+            text = f"{f.worst_relative(i):+6.1%}" if names else f"{f.probe_text[i]:+7.3f}"
+            probed = f"{text} {f.probe_copy[i]:+7.3f}" if f.probed[i] else ""
             if f.probed[i] and names:
                 probed += "".join(f" {float(x):+7.3f}" for x in f.probe_domain_loss[i])
             lines.append(f"1/{round(1 / t):<4d} {f.method[i]:6s} {f.rank[i]:5d} {f.k[i]:6d} {f.l[i]:6d} {f.sink[i]:4d} "

@@ -7,9 +7,9 @@ best rank of each method, sink and local window per ratio end to end (calib.prob
 on a repeated paragraph), and stores both in the calibration GGUF as loki.fidelity.* keys (`Fidelity` below).
 `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size, among the candidates
 measured at the largest ratio not above the target, to the probed one that loses the fewest bits per character on
-text and retrieval together, the text's loss being that of its worst domain where the probe scored several (prose,
-technical documentation, code, conversation: a setting must hold on text unlike its calibration; without a probe:
-the least mean output error over the layers), its rank scaled by
+text and retrieval together, the text's loss being, where the probe scored several domains (prose, technical
+documentation, code, conversation: a setting must hold on text unlike its calibration), that of its worst domain
+relative to dense's bits per character there (without a probe: the least mean output error over the layers), its rank scaled by
 target / measured ratio, k the largest whose reads fit the target at n_ctx positions
 (sparq_cpp.transfer.rank_split), l the measured share of k, sink as measured. One setting for the whole model: a
 context has one mode (the cache layout), and choosing the method per layer gained nothing where measured
@@ -105,10 +105,12 @@ class Fidelity:
         return self.probe_text[i]
 
     def worst_domain(self, i: int) -> str:
-        """The domain whose text loses most (the first on a tie); "text" without domains."""
+        """The domain whose text loses most relative to dense's there (the first on a tie); "text" without
+        domains."""
         if not self.probe_domains:
             return "text"
-        row = [float(x) for x in self.probe_domain_loss[i]]
+        row = [float(x) / dense if dense > 0 else 0.0 for x, dense in zip(self.probe_domain_loss[i],
+                                                                          self.probe_domain_dense)]
         return self.probe_domains[row.index(max(row))]
 
     def domain_losses(self, i: int) -> str:
@@ -125,9 +127,12 @@ class Fidelity:
                    for x, dense in zip(self.probe_domain_loss[i], self.probe_domain_dense))
 
     def probe_loss(self, i: int) -> float:
-        """Bits per character lost against dense on text (its worst domain) and retrieval together (probed
-        candidates)."""
-        return self.worst_text(i) + self.probe_copy[i]
+        """What a probed candidate loses: with domains, the worst domain's loss relative to dense's bits per character
+        there, plus the bits per character lost on the retrieval; without (an older calibration), the bits per
+        character lost on text and on the retrieval together."""
+        if self.probe_domains:
+            return self.worst_relative(i) + self.probe_copy[i]
+        return self.probe_text[i] + self.probe_copy[i]
 
     def mean_mass(self, i: int) -> float:
         return float(self.mass[i].mean())
@@ -331,7 +336,8 @@ def known_poor(attention, model_path, summary, projection=None) -> str | None:
     if fid.probed[best] and fid.probed[mine]:
         if fid.probe_loss(best) <= fid.probe_loss(mine) - POOR_PROBE_MARGIN:
             return (f"{where}, this model's calibration ({path.name}) measured {fid.describe(best)}; "
-                    f"{attention.name} at best loses {fid.worst_text(mine):+.3f} bits per character on text and "
+                    f"{attention.name} at best loses {fid.worst_text(mine):+.3f} bits per character on text (its "
+                    f"worst domain, {fid.worst_domain(mine)}, {fid.worst_relative(mine):+.1%}) and "
                     f"{fid.probe_copy[mine]:+.3f} on a retrieval: --attn auto --ratio 1/{round(1 / base)} picks the "
                     "former")
     elif fid.mean_error(best) <= fid.mean_error(mine) - POOR_MARGIN:

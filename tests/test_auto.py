@@ -130,9 +130,10 @@ def _domain_probe(cands, idx, a, b):
 
 
 def test_auto_weighs_the_worst_domain(calibration, measured):
-    """auto picks the probed candidate whose worst domain loses least, not the one of least mean loss, reads the
-    per-domain keys back (not probe_text, which is rigged here to say the opposite) and names each domain's expected
-    loss; max_loss refuses a choice above it and names the smallest measured ratio within it."""
+    """auto picks the probed candidate whose worst domain loses least (relative to dense's bits per character there),
+    not the one of least mean loss, reads the per-domain keys back (not probe_text, which is rigged here to say the
+    opposite) and names each domain's expected loss; max_loss refuses a choice above it and names the smallest
+    measured ratio within it."""
     model, proj, fid = calibration
     summary = check_gguf(model)
     cands, idx = fid["candidates"], pick(fid)
@@ -145,12 +146,12 @@ def test_auto_weighs_the_worst_domain(calibration, measured):
     assert got.probe_domains == ("prose", "docs", "code") and got.probe_domain_loss.shape == (len(cands), 3)
     np.testing.assert_allclose(got.probe_domain_dense, [1.0, 0.8, 0.5], rtol=1e-6)
     assert got.worst_domain(a) == "docs" and abs(got.worst_text(a) - 0.05) < 1e-6
-    # the mean over domains prefers a (0.017 against 0.022); the worst domain prefers b (0.03 against 0.05)
+    # the mean over domains prefers a (0.017 against 0.022); the worst domain prefers b (+4% against +6.25%)
     assert np.mean(got.probe_domain_loss[a]) < np.mean(got.probe_domain_loss[b])
     assert choose(got, 1 / 8) == b
     setting, why = resolve(Auto(ratio=0.125), model, summary, 1024)
     assert setting.name == cands[b]["method"]
-    assert "prose +0.030 (+3.0%), docs +0.016 (+2.0%), code +0.020 (+4.0%) (worst prose)" in why, why
+    assert "prose +0.030 (+3.0%), docs +0.016 (+2.0%), code +0.020 (+4.0%) (worst code)" in why, why
     # the bound: relative to dense, b's worst domain is code at +4%
     resolve(Auto(ratio=0.125, max_loss=0.05), model, summary, 1024)
     with pytest.raises(SparqError) as e:

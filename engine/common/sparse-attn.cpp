@@ -370,17 +370,10 @@ static double sa_measured_ratio(const sa_fidelity & fid, double target) {
     return below >= 0.0 ? below : least;
 }
 
-// the bits per character a probed candidate loses on text: its worst domain's where the probe scored domains
-static double sa_worst_text(const sa_fidelity & fid, size_t i) {
-    if (fid.domains.empty()) {
-        return fid.probe_text[i];
-    }
+// candidate i's loss on domain j relative to dense's bits per character there
+static double sa_relative(const sa_fidelity & fid, size_t i, size_t j) {
     const size_t m = fid.domains.size();
-    double res = fid.domain_loss[i * m];
-    for (size_t j = 1; j < m; ++j) {
-        res = std::max(res, fid.domain_loss[i * m + j]);
-    }
-    return res;
+    return fid.domain_dense[j] > 0.0 ? fid.domain_loss[i * m + j] / fid.domain_dense[j] : 0.0;
 }
 
 // the largest loss of a probed candidate relative to dense's bits per character, over the domains (or the text)
@@ -391,16 +384,19 @@ static double sa_worst_relative(const sa_fidelity & fid, size_t i) {
     const size_t m = fid.domains.size();
     double res = 0.0;
     for (size_t j = 0; j < m; ++j) {
-        const double rel = fid.domain_dense[j] > 0.0 ? fid.domain_loss[i * m + j] / fid.domain_dense[j] : 0.0;
-        res = j == 0 ? rel : std::max(res, rel);
+        res = j == 0 ? sa_relative(fid, i, j) : std::max(res, sa_relative(fid, i, j));
     }
     return res;
 }
 
-// what auto minimises: the bits per character a probed candidate loses on text (its worst domain) and retrieval
-// together, else the mean output error
+// what auto minimises: for a probed candidate, its worst domain's loss relative to dense's bits per character there
+// plus the bits per character lost on the retrieval (without domains, an older calibration: the bits per character
+// lost on text and retrieval together); else the mean output error
 static double sa_score(const sa_fidelity & fid, size_t i) {
-    return fid.probed[i] ? sa_worst_text(fid, i) + fid.probe_copy[i] : sa_mean(fid.error, i, fid.n_layer);
+    if (!fid.probed[i]) {
+        return sa_mean(fid.error, i, fid.n_layer);
+    }
+    return (fid.domains.empty() ? fid.probe_text[i] : sa_worst_relative(fid, i)) + fid.probe_copy[i];
 }
 
 // the candidate at the measured ratio for target (of method only, if not empty) of least sa_score among the probed
@@ -601,7 +597,7 @@ bool common_sparse_attn_auto_resolve(
                 if (fid.domain_dense[d] > 0.0) {
                     per += string_format(" (%+.1f%%)", x / fid.domain_dense[d] * 100.0);
                 }
-                if (x > fid.domain_loss[j * m + worst]) {
+                if (sa_relative(fid, j, d) > sa_relative(fid, j, worst)) {
                     worst = d;
                 }
             }

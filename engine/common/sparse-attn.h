@@ -10,8 +10,9 @@
 // relative error of the attention output (and the attention mass kept) in each full-attention layer
 // (loki.fidelity.*), and for the best rank of each method, sink and local window the bits per character lost end
 // to end on text (per domain, where the probe scored several) and on a retrieval. The choice: among the candidates at
-// the largest measured ratio not above R (else the smallest), the probed one that loses the fewest bits per character
-// on the text's worst domain and the retrieval together (without a probe: the smallest mean error over the layers);
+// the largest measured ratio not above R (else the smallest), the probed one that loses least on the text's worst
+// domain (relative to dense's bits per character there) and the retrieval together (without domains: the bits per
+// character lost on text and retrieval; without a probe: the smallest mean error over the layers);
 // its rank is scaled to R, k is the largest whose reads at the context size stay within R of dense reads, l keeps its
 // share of k and the sink its size. With max_loss = B, a choice whose probe measured more than B (relative to dense)
 // lost on any domain is refused, naming the smallest measured ratio whose choice stays within B.
