@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import zipfile
+from pathlib import Path
 
 import pytest
 
+from sparq_cpp.evaluation import domain_table
 from sparq_cpp.train import corpus, domains
 
 from conftest import assert_one_line_error, run_cli
@@ -116,3 +118,13 @@ def test_eval_scores_each_domain(tmp_path):
 def test_eval_domain_errors(item, needle):
     proc = run_cli("eval", "--tasks", "", "--domain", item, "--methods", "dense", "--ratios", "1")
     assert_one_line_error(proc, needle)
+
+
+def test_the_docs_table_is_rendered_from_its_json():
+    """docs/accuracy.md's per-domain table is what domain_table renders from the JSON files its marker names."""
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "accuracy.md").read_text(encoding="utf-8")
+    start = text.index("<!-- domain-table: ")
+    files = text[start:text.index(" -->", start)].split(": ", 1)[1].split()
+    body = text[text.index("-->", start) + 4:text.index("<!-- /domain-table -->", start)]
+    assert files and body.strip() == domain_table.markdown([root / f for f in files]).strip()
