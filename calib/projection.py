@@ -66,6 +66,10 @@ def _add_fidelity_metadata(w, fid: dict | None) -> None:
         w.add_array("loki.fidelity.probe_text", [float(x) for x in probe["text"]])
         w.add_array("loki.fidelity.probe_copy", [float(x) for x in probe["copy"]])
         w.add_array("loki.fidelity.probe_dense", [float(probe["dense_text"]), float(probe["dense_copy"])])
+        if probe.get("domains"):  # the text's loss per domain (probe_text is the worst domain's)
+            w.add_array("loki.fidelity.probe_domains", [str(d) for d in probe["domains"]])
+            w.add_array("loki.fidelity.probe_domain_loss", [float(v) for row in probe["domain_text"] for v in row])
+            w.add_array("loki.fidelity.probe_domain_dense", [float(x) for x in probe["domain_dense"]])
 
 
 def _loki_tensors(pca: LokiPCA):

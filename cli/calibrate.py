@@ -21,11 +21,10 @@ from sparq_cpp.auto import Fidelity, choose
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf, check_sparse
 from sparq_cpp.outfile import check_writable
+from sparq_cpp.train import domains as text_domains
 
 
 def _read_texts(paths) -> str:
-    if not paths:
-        raise SparqError("no calibration text: give --text FILE (UTF-8 text, e.g. WikiText), repeatable")
     parts = []
     for p in map(Path, paths):
         if not p.is_file():
@@ -55,15 +54,21 @@ def fidelity_table(fid: dict, path) -> str:
     layers), with the exact top-k's, and for the probed ones the bits per character lost on text and on a
     retrieval; * = auto's pick (sparq_cpp.auto.choose)."""
     f = Fidelity.of(fid, path)
+    names = f.probe_domains
     lines = [f"attention output error and mass kept at {fid['ctx']} positions (means over layers {fid['layers']}), "
              "bits per character lost end to end on text and on a retrieval; * = --attn auto",
-             "error, mass: the setting's; topk_*: exact top-k at the same k; text, copy: bits per character over dense",
-             "ratio  method  rank      k      l sink  error topk_e   mass topk_m    text    copy"]
+             "error, mass: the setting's; topk_*: exact top-k at the same k; text, copy: bits per character over dense"
+             + (" (text: the worst domain's, relative to dense's; then each domain's, in bits)" if names else ""),
+             "ratio  method  rank      k      l sink  error topk_e   mass topk_m    text    copy"
+             + "".join(f" {d[:7]:>7s}" for d in names)]
     for t in sorted(set(f.ratio), reverse=True):
         idx = [i for i in range(len(f.method)) if f.ratio[i] == t]
         best = choose(f, t)
         for i in idx:
-            probed = f"{f.probe_text[i]:+7.3f} {f.probe_copy[i]:+7.3f}" if f.probed[i] else ""
+            text = f"{f.worst_relative(i):+6.1%}" if names else f"{f.probe_text[i]:+7.3f}"
+            probed = f"{text} {f.probe_copy[i]:+7.3f}" if f.probed[i] else ""
+            if f.probed[i] and names:
+                probed += "".join(f" {float(x):+7.3f}" for x in f.probe_domain_loss[i])
             lines.append(f"1/{round(1 / t):<4d} {f.method[i]:6s} {f.rank[i]:5d} {f.k[i]:6d} {f.l[i]:6d} {f.sink[i]:4d} "
                          + " ".join(f"{x:6.3f}" for x in (f.mean_error(i), float(f.exact_error[i].mean()),
                                                           f.mean_mass(i), float(f.exact_mass[i].mean())))
@@ -87,7 +92,9 @@ def _table(pca) -> str:
 @click.command("calibrate")
 @model_option("Model GGUF file, or a known model name (smollm2-135m).", required=True)
 @click.option("--text", "texts", multiple=True, metavar="FILE",
-              help="UTF-8 calibration text (repeatable; the files are read in order).")
+              help="UTF-8 calibration text (repeatable; the files are read in order). Default: the project's corpus "
+                   "of four domains (prose, technical documentation, code, conversation; sparq_cpp.train.domains), "
+                   "built in the cache on first use.")
 @click.option("--tokens", "n_tokens", type=int, default=16384, show_default=True,
               help="Stop after this many calibration tokens.")
 @click.option("--ctx-size", "-c", type=int, default=2048, show_default=True,
@@ -106,12 +113,16 @@ def _table(pca) -> str:
               help="With --fidelity: also run the best setting of each method per ratio end to end on the text (bits "
                    "per character lost on ordinary text and on a repeated paragraph); --attn auto prefers it.")
 @click.option("--probe-samples", type=click.IntRange(1, 16), default=2, show_default=True,
-              help="Text windows and retrievals (each of --ctx-size tokens) the probe runs every setting on.")
+              help="Text windows per domain and retrievals (each of --ctx-size tokens) the probe runs every setting "
+                   "on.")
+@click.option("--domains/--no-domains", "probe_domains", default=True, show_default=True,
+              help="The probe also scores the held-out parts of four domains (prose, docs, code, chat), and --attn "
+                   "auto weighs the domain that loses most; --no-domains scores the --text's held-out part only.")
 @click.option("--figure", default=None, metavar="PNG",
               help="Also write the Loki paper's Figure 2 for this model (PNG; needs matplotlib, the [plot] extra).")
 @progress_option
 def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fidelity_windows, probe, probe_samples,
-            figure, progress):
+            probe_domains, figure, progress):
     """Fit Loki's per-layer, per-KV-head PCA bases of the keys, before and after RoPE."""
     # every check that needs no model run comes first
     check_sizes(n_tokens, ctx_size)
@@ -124,7 +135,23 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
     if figure is not None:
         check_writable(figure, "--figure")
         lazy.need("matplotlib", "--figure")  # now, not after the run
-    text = _read_texts(texts)
+    if not texts and not probe_domains:
+        raise SparqError("--no-domains needs a calibration text of your own: give --text FILE")
+    held = None  # {domain: held-out text} the probe scores beside the text's own held-out part
+    if texts:
+        text = _read_texts(texts)
+        if fidelity and probe and probe_domains:
+            try:
+                held = text_domains.heldout_texts(text_domains.cached(log=lambda m: click.echo(m, err=True)))
+            except SparqError as e:
+                click.echo(f"warning: no held-out domains ({e}); the probe scores your text only", err=True)
+    else:
+        manifest = text_domains.cached(log=lambda m: click.echo(m, err=True))
+        text = Path(manifest["mixed"]).read_text(encoding="utf-8")
+        held = text_domains.heldout_texts(manifest)
+        click.echo(f"calibration text: {manifest['mixed']} (the four domains' calibration parts in turns; "
+                   "give --text FILE for your own)", err=True)
+    n_domains = (1 if texts else 0) + len(held or {})
     stages = 1 + fidelity + (fidelity and probe)
 
     def stage(i, what):
@@ -140,7 +167,8 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
         # in units of the fit's speed, from one run (SmolLM2-135M, -t 1: fit 16384 tokens in 71 s, fidelity on
         # 4 windows of 2048 in 522 s, probe of 2 + 2 samples in 160 s): the fidelity costs about 15 fit-tokens per
         # window token (every candidate's selection), the probe about 4.5 per sample token (each setting and dense)
-        est = fidelity_windows * ctx_size * 15 / rate + (probe_samples * 2 * ctx_size * 4.5 / rate if probe else 0)
+        est = fidelity_windows * ctx_size * 15 / rate + (probe_samples * (n_domains + 1) * ctx_size * 4.5 / rate
+                                                         if probe else 0)
         click.echo(f"        the rest will take about {_minutes(est)} at this speed", err=True)
     fid = None
     if fidelity:
@@ -155,13 +183,14 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
         if probe:
             t2 = time.perf_counter()
             idx = pick(fid)
-            stage(3, f"probing {len(idx)} settings end to end on {probe_samples} text windows and "
-                     f"{probe_samples} retrievals")
+            stage(3, f"probing {len(idx)} settings end to end on {probe_samples} text windows of each of "
+                     f"{n_domains} domains and {probe_samples} retrievals")
             try:
                 with tempfile.TemporaryDirectory() as tmp:  # the basis the Loki runs read, before the output exists
                     basis = write_projection(Path(tmp) / "probe.loki.gguf", pca, model, ctx_size=ctx_size)
                     fid["probe"] = run_probe(model, str(basis), text, fid["candidates"], idx, S=ctx_size,
                                              skip_tokens=pca.n_tokens, n_threads=threads, n_samples=probe_samples,
+                                             domains=held, own_text=bool(texts),
                                              log=lambda m: click.echo(m, err=True))
                 click.echo(f"probed {len(idx)} settings end to end in {time.perf_counter() - t2:.1f} s", err=True)
             except SparqError as e:  # the layer errors still stand; auto then chooses by them

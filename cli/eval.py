@@ -52,6 +52,30 @@ def _data(items):
     return out
 
 
+def _share(text, option) -> float:
+    try:
+        share = float(Fraction(str(text)))
+    except (ValueError, ZeroDivisionError):
+        raise SparqError(f"{option} must be a number or fraction like 1/4, got {text!r}") from None
+    if not 0 <= share <= 1:
+        raise SparqError(f"{option} must be in [0, 1] (a share of k), got {text}")
+    return share
+
+
+def _domains(items) -> dict:
+    """--domain NAME=PATH: {"bpc:NAME": path}, names unique."""
+    out = {}
+    for item in items:
+        name, eq, path = item.partition("=")
+        if not eq or not path:
+            raise SparqError(f"--domain takes NAME=PATH, got {item!r}")
+        task = tasks.domain_task(name)
+        if task in out:
+            raise SparqError(f"--domain {name} is given twice")
+        out[task] = Path(path)
+    return out
+
+
 @click.command("eval")
 @model_option("GGUF model file, or a real model fetched on first use and checked by sha256 "
               "(sparq_cpp/real_models.py): smollm2-135m; default: the demo model, models/austen.q8_0.gguf.")
@@ -60,6 +84,10 @@ def _data(items):
 @click.option("--data", "data", multiple=True, metavar="TASK=PATH",
               help="Read a task's samples from this file (formats: `sparq-cpp eval --help-formats`); "
                    "default: generated data.")
+@click.option("--domain", "domain_items", multiple=True, metavar="NAME=PATH",
+              help="Also score bits per character on this domain's text (repeatable; task bpc:NAME, with --samples, "
+                   "--context and --continuation as bpc): the table and the JSON's \"domains\" give each domain's "
+                   "loss against dense and the worst. `python -m sparq_cpp.train eval-data` writes four.")
 @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
               help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite, alisa "
                    "(reference); METHOD@ref or METHOD@llama picks the backend (alisa@llama: llama.cpp's alisa).")
@@ -76,6 +104,8 @@ def _data(items):
 @click.option("--r", "sparq_r", type=click.IntRange(min=1), default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
 @click.option("--local", "sparq_local", default="1/4", show_default=True,
               help="SparQ: the most recent positions kept (l) as a share of k, in [0, 1].")
+@click.option("--loki-local", default="0", show_default=True,
+              help="Loki: the most recent positions kept (l) as a share of k, in [0, 1].")
 @click.option("--d", "loki_d", type=click.IntRange(min=1), default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
 @click.option("--sink", type=click.IntRange(min=0), default=0, show_default=True,
               help="SparQ and Loki: positions below this (the first tokens, an attention sink) always kept, within k.")
@@ -93,8 +123,8 @@ def _data(items):
               help="Write a PNG: score vs compression per method, a panel per task.")
 @progress_option
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
-def command(model, task_list, data, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
-            sparq_r, sparq_local, loki_d, sink, mean_value, loki_projection, cache_type, threads, seed, json_path,
+def command(model, task_list, data, domain_items, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
+            sparq_r, sparq_local, loki_local, loki_d, sink, mean_value, loki_projection, cache_type, threads, seed, json_path,
             plot_path, progress, help_formats):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
     needle in a haystack, key-value retrieval, copying a paragraph of random words. The reference (exact top-k, H2O, LM-Infinite, and any
@@ -106,18 +136,17 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
                     ("--max-new", max_new), ("--copy-words", copy_words)):
         if v < 1:
             raise SparqError(f"{name} must be >= 1, got {v}")
-    try:
-        local_share = float(Fraction(str(sparq_local)))
-    except (ValueError, ZeroDivisionError):
-        raise SparqError(f"--local must be a number or fraction like 1/4, got {sparq_local!r}") from None
-    if not 0 <= local_share <= 1:
-        raise SparqError(f"--local must be in [0, 1] (a share of k), got {sparq_local}")
+    local_share, loki_share = (_share(sparq_local, "--local"), _share(loki_local, "--loki-local"))
     if context < 2:
         raise SparqError("--context must be at least 2 tokens")
     task_names = [t.strip() for t in task_list.split(",") if t.strip()]
     for t in task_names:
         if t not in tasks.TASKS:
             raise SparqError(f"unknown task {t!r} (known: {', '.join(tasks.TASKS)})")
+    domain_data = _domains(domain_items)
+    task_names += list(domain_data)
+    if not task_names:
+        raise SparqError("no tasks: give --tasks or --domain NAME=PATH")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):
         if path:
             check_writable(path, option)  # now, not after the run
@@ -128,11 +157,12 @@ def command(model, task_list, data, methods, ratios, samples, context, continuat
         model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
-        data=_data(data), cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_d=loki_d,
+        data={**_data(data), **domain_data}, cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_local=loki_share, loki_d=loki_d,
         sink=sink, mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     doc["summary"] = results.summarize(doc["records"])
     doc["grid"] = results.grid(doc["records"])
+    doc["domains"] = results.domains(doc["summary"])
     click.echo(results.format_table(doc))
     if json_path:
         click.echo(f"json: {results.write_json(doc, json_path)}", err=True)

@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from sparq_cpp.evaluation.tasks import HIGHER_IS_BETTER, SCORE_NAMES
+from sparq_cpp.evaluation.tasks import HIGHER_IS_BETTER, SCORE_NAMES, base
 from sparq_cpp.lazy import pyplot
 from sparq_cpp.outfile import atomic_write
 
@@ -98,8 +98,31 @@ def _add_paired(rows, records, index) -> None:
         sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (n - 1)) if n > 1 else 0.0
         dmean = sum(b for _, b in pairs) / n
         row["vs_dense"] = {"n": n, "diff": mean, "stderr": sd / math.sqrt(n) if n > 1 else 0.0,
-                           "rel": mean / dmean if dmean else None,
+                           "rel": mean / dmean if dmean else None, "dense": dmean,
                            "same": sum(a == b for a, b in pairs)}
+
+
+def domains(rows) -> list[dict]:
+    """Bits per character per domain ("bpc:NAME" tasks), per method and target against dense on the same samples:
+    [{"method", "target", "domains": {name: {"n", "dense", "score", "diff", "stderr", "rel", "rel_stderr"}},
+    "worst": the domain of the largest relative loss, "worst_rel", "worst_rel_stderr"}]."""
+    out = {}
+    for row in rows:
+        if base(row["task"]) != "bpc" or row["task"] == "bpc" or "vs_dense" not in row:
+            continue
+        v = row["vs_dense"]
+        if not v.get("dense"):
+            continue
+        entry = out.setdefault((row["method"], row["target"]), {"method": row["method"], "target": row["target"],
+                                                                 "domains": {}})
+        entry["domains"][row["task"].split(":", 1)[1]] = {
+            "n": v["n"], "dense": v["dense"], "score": v["dense"] + v["diff"], "diff": v["diff"],
+            "stderr": v["stderr"], "rel": v["diff"] / v["dense"], "rel_stderr": v["stderr"] / v["dense"]}
+    for entry in out.values():
+        worst = max(entry["domains"], key=lambda d: entry["domains"][d]["rel"])
+        entry.update(worst=worst, worst_rel=entry["domains"][worst]["rel"],
+                     worst_rel_stderr=entry["domains"][worst]["rel_stderr"])
+    return sorted(out.values(), key=lambda e: (e["method"], -e["target"]))
 
 
 def grid(records) -> list[dict]:
@@ -125,8 +148,8 @@ def format_table(doc: dict) -> str:
     for task in dict.fromkeys(r["task"] for r in rows):
         trs = [r for r in rows if r["task"] == task]
         targets = sorted({r["target"] for r in trs}, reverse=True)
-        better = "higher" if HIGHER_IS_BETTER[task] else "lower"
-        out.append(f"{task}: {SCORE_NAMES[task]} ({better} is better); cell = mean score (achieved ratio), n samples")
+        better = "higher" if HIGHER_IS_BETTER[base(task)] else "lower"
+        out.append(f"{task}: {SCORE_NAMES[base(task)]} ({better} is better); cell = mean score (achieved ratio), n samples")
         head = ["method"] + [_fmt_target(t) for t in targets]
         table = [head]
         for method in dict.fromkeys(r["method"] for r in trs):
@@ -144,7 +167,7 @@ def format_table(doc: dict) -> str:
         paired = [r for r in trs if "vs_dense" in r]
         if paired:
             # generation tasks score whole answers, so many samples come out exactly as dense's
-            generated = HIGHER_IS_BETTER[task]
+            generated = HIGHER_IS_BETTER[base(task)]
             out.append(f"{task} against dense on the same samples: mean difference +- standard error "
                        "(relative to dense)" + (", samples scored the same as dense" if generated else ""))
             for r in paired:
@@ -153,6 +176,14 @@ def format_table(doc: dict) -> str:
                 same = f", {v['same']} of {v['n']} the same" if generated else f", n={v['n']}"
                 out.append(f"  {r['method']} at {_fmt_target(r['target'])}: {v['diff']:+.4g} +- {v['stderr']:.2g}{rel}{same}")
             out.append("")
+    by_domain = doc.get("domains") or domains(rows)
+    if by_domain:
+        out.append("bits per character by domain against dense on the same samples: relative difference +- "
+                   "standard error; worst = the domain that loses most")
+        for e in by_domain:
+            cells = ", ".join(f"{d} {v['rel']:+.2%} +- {v['rel_stderr']:.2%}" for d, v in e["domains"].items())
+            out.append(f"  {e['method']} at {_fmt_target(e['target'])}: {cells}; worst {e['worst']}")
+        out.append("")
     agree = [r for r in rows if "vs_llama" in r]
     if agree:
         out.append("llama.cpp against the reference (METHOD against METHOD@ref, same samples and settings): "
@@ -201,7 +232,7 @@ def plot(doc: dict, path) -> Path:
                                 color=line.get_color(), alpha=0.15, lw=0)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("compression ratio (attention data read / dense)")
-        ax.set_ylabel(SCORE_NAMES[task] + (" ↑" if HIGHER_IS_BETTER[task] else " ↓"))
+        ax.set_ylabel(SCORE_NAMES[base(task)] + (" ↑" if HIGHER_IS_BETTER[base(task)] else " ↓"))
         ax.set_title(task)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="best")

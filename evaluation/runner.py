@@ -42,6 +42,7 @@ class EvalConfig:
     sparq_r: int | None = None
     loki_d: int | None = None
     sparq_local: float = 0.25         # SparQ's l as a share of k
+    loki_local: float = 0.0           # Loki's
     sink: int = 0                      # SparQ's and Loki's first positions always kept
     mean_value: bool | None = None     # None: on for MHA, off for GQA (the paper's choice)
     loki_projection: str | None = None
@@ -81,7 +82,7 @@ def check_requested(cfg: EvalConfig, n_ctx_train: int, model_name: str) -> None:
             "needle": ("--lengths", max(tc.lengths)), "kv": ("--lengths", max(tc.lengths)),
             "copy": ("--context + --copy-words", tc.context + tc.copy_words)}
     for task in cfg.tasks:
-        what, n = asks[task]
+        what, n = asks[tasks.base(task)]
         if n > n_ctx_train:
             raise SparqError(f"{task}: {what} asks for {n} tokens, longer than the model's context "
                              f"({n_ctx_train} tokens, n_ctx_train of {model_name})")
@@ -102,8 +103,8 @@ def run(cfg: EvalConfig, log=print) -> dict:
     summary = check_gguf(cfg.model_path)
     D = summary.head_dim
     for task in cfg.tasks:
-        if task not in tasks.TASKS:
-            raise SparqError(f"unknown task {task!r} (known: {', '.join(tasks.TASKS)})")
+        if tasks.base(task) not in tasks.TASKS or (tasks.base(task) != task and tasks.base(task) != "bpc"):
+            raise SparqError(f"unknown task {task!r} (known: {', '.join(tasks.TASKS)}, bpc:DOMAIN)")
     for task in cfg.data:
         if task not in cfg.tasks:
             raise SparqError(f"--data names task {task!r}, which is not among --tasks ({', '.join(cfg.tasks)})")
@@ -205,7 +206,7 @@ def _open_sessions(cfg, runs, kind, n_ctx, mean_value, ref_model, alisa_c=None):
 
 def _run_one(session, spec, target, sample, tok, D, cfg, mean_value, skipped):
     S = len(sample.prompt)
-    params = sweep.settings(spec.method, target, S, D, r=cfg.sparq_r, d=cfg.loki_d, local=cfg.sparq_local,
+    params = sweep.settings(spec.method, target, S, D, r=cfg.sparq_r, d=cfg.loki_d, local=cfg.sparq_local, loki_local=cfg.loki_local,
                             sink=cfg.sink)
     if params is None:
         reason = f"{spec.label} cannot reach compression {target:g} at S={S} (D={D})"
@@ -268,7 +269,7 @@ def _config_doc(cfg: EvalConfig, mean_value: bool) -> dict:
     return {"model_path": str(cfg.model_path), "tasks": list(cfg.tasks), "methods": [m.label for m in cfg.methods],
             "ratios": list(cfg.ratios), "task": dataclasses.asdict(cfg.task_cfg),
             "data": {k: str(v) for k, v in cfg.data.items()}, "cache_type": cfg.cache_type,
-            "sparq_r": cfg.sparq_r, "sparq_local": cfg.sparq_local, "loki_d": cfg.loki_d, "sink": cfg.sink,
+            "sparq_r": cfg.sparq_r, "sparq_local": cfg.sparq_local, "loki_local": cfg.loki_local, "loki_d": cfg.loki_d, "sink": cfg.sink,
             "mean_value": mean_value,
             "loki_projection": cfg.loki_projection, "seed": cfg.seed}
 

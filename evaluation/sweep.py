@@ -53,10 +53,10 @@ def _split_rank(target, S, D, method, fixed):
 
 
 def settings(method: str, target: float, S: int, D: int, *, r: int | None = None, d: int | None = None,
-             local: float = 0.25, sink: int = 0) -> dict | None:
+             local: float = 0.25, sink: int = 0, loki_local: float = 0.0) -> dict | None:
     """Parameters of `method` for `target` at S visible positions, or None if out of reach. `local`: SparQ's
-    l as a share of k (docs/spec.md's default 1/4); `sink`: SparQ's and Loki's first positions kept (within k,
-    so the reads are the same)."""
+    l as a share of k (docs/spec.md's default 1/4); `loki_local`: Loki's (0 by default); `sink`: SparQ's and Loki's
+    first positions kept (within k, so the reads are the same)."""
     if method not in METHODS:
         raise SparqError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if method == "dense":
@@ -69,7 +69,8 @@ def settings(method: str, target: float, S: int, D: int, *, r: int | None = None
         if got is None:
             return None
         rank, k = got
-        out = {"r" if method == "sparq" else "d": rank, "k": k, "l": int(k * local) if method == "sparq" else 0}
+        out = {"r" if method == "sparq" else "d": rank, "k": k,
+               "l": int(k * (local if method == "sparq" else loki_local))}
         if sink:
             out["sink"] = min(sink, k - out["l"])
         return out

@@ -43,6 +43,22 @@ from sparq_cpp.errors import SparqError
 from sparq_cpp.evaluation import textgen
 
 TASKS = ("bpc", "repetition", "needle", "kv", "copy")
+DOMAIN_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def base(task: str) -> str:
+    """The task a name stands for: "bpc:code" (bits per character on the domain "code") is bpc."""
+    return task.split(":", 1)[0]
+
+
+def domain_task(name: str) -> str:
+    """The task name of bits per character on a named domain's text, checked."""
+    if not DOMAIN_RE.fullmatch(name):
+        raise SparqError(f"a domain name must be 1-32 lowercase letters, digits, '-' or '_', starting with a letter "
+                         f"or digit; got {name!r}")
+    return f"bpc:{name}"
+
+
 HIGHER_IS_BETTER = {"bpc": False, "repetition": True, "needle": True, "kv": True, "copy": False}
 SCORE_NAMES = {"bpc": "bits per character", "repetition": "characters matched", "needle": "accuracy",
                "kv": "accuracy", "copy": "bits per character"}
@@ -212,6 +228,11 @@ def bpc_samples(text: str, tok: Tokenizer, cfg: TaskConfig, where: str) -> list[
     for i, start in enumerate(_windows(text, cfg.samples, need)):
         piece = tok.encode(text[start: start + need + 64])
         if len(piece) < cfg.context + cfg.continuation:
+            # this part of the text has fewer tokens per character than its start, where the window's length was
+            # estimated (a text of several kinds): take twice as much, from earlier where the text ends too soon
+            start = _word_start(text, min(start, max(0, len(text) - 2 * need)))
+            piece = tok.encode(text[start: start + 2 * need])
+        if len(piece) < cfg.context + cfg.continuation:
             raise SparqError(f"bpc task file {where} is too short for {cfg.samples} sample(s) of "
                              f"{cfg.context} + {cfg.continuation} tokens")
         n0 = cfg.context - len(tok.start)
@@ -357,13 +378,19 @@ BUILDERS = {"bpc": bpc_samples, "repetition": repetition_samples, "needle": need
 
 
 def build(task: str, tok: Tokenizer, cfg: TaskConfig, path=None, seed: int = 0) -> list[Sample]:
-    if task not in BUILDERS:
-        raise SparqError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
-    text = read_text(path, task) if path is not None else default_text(task, seed)
+    """The task's samples; a domain's bits per character ("bpc:NAME") from its file, its samples under that task."""
+    kind = base(task)
+    if kind not in BUILDERS or (kind != task and kind != "bpc"):
+        raise SparqError(f"unknown task {task!r} (known: {', '.join(TASKS)}, bpc:DOMAIN)")
+    if kind != task and path is None:
+        raise SparqError(f"{task} needs its domain's text file (--domain {task.split(':', 1)[1]}=PATH)")
+    text = read_text(path, kind) if path is not None else default_text(task, seed)
     where = str(path) if path is not None else f"(default {task} data)"
-    samples = BUILDERS[task](text, tok, cfg, where)
+    samples = BUILDERS[kind](text, tok, cfg, where)
     if not samples:
         raise SparqError(f"{task} task file {where} gave no samples")
+    for s in samples:
+        s.task = task
     return samples
 
 

@@ -180,16 +180,23 @@ class Auto:
     """The SparQ or Loki setting with the best measured fidelity within `ratio` of dense reads, chosen from the
     model's calibration (`sparq-cpp calibrate` measures it; sparq_cpp.auto resolves it when a context is
     created, for its n_ctx). projection: the calibration GGUF (None = <model stem>.loki.gguf next to the model).
+    max_loss: refuse a choice whose calibration probe measured it losing more than this share of dense's bits per
+    character on any domain (0.03: 3%), naming the smallest measured ratio within it; None: no bound.
     """
 
     ratio: float = 0.125
     projection: str | None = None
+    max_loss: float | None = None
 
     name = "auto"
 
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real) or not 0 < self.ratio < 1:
             raise SparqError(f"ratio must be a number in (0, 1): attention data read / dense, got {self.ratio!r}")
+        if self.max_loss is not None and (isinstance(self.max_loss, bool) or not isinstance(self.max_loss, numbers.Real)
+                                          or not 0 < self.max_loss < 1):
+            raise SparqError(f"max_loss must be a number in (0, 1): bits per character lost / dense's, got "
+                             f"{self.max_loss!r}")
 
     def check(self, head_dim: int) -> None:
         pass
@@ -214,15 +221,16 @@ def spec(attention: Attention) -> str:
     if isinstance(attention, ALISA):
         return f"alisa:c={attention.c!r},min_n_kv={attention.min_n_kv}"
     if isinstance(attention, Auto):  # sparq-cpp's own: llama.cpp's tools take the setting it resolves to
-        return f"auto:ratio={attention.ratio!r}" + (f",proj={attention.projection}" if attention.projection else "")
+        return (f"auto:ratio={attention.ratio!r}" + (f",proj={attention.projection}" if attention.projection else "")
+                + (f",max_loss={attention.max_loss!r}" if attention.max_loss is not None else ""))
     return "dense"
 
 
 def _parse_auto(text: str) -> Auto:
-    """"auto[:ratio=0.125,proj=FILE]" (ratio also as a fraction, 1/8)."""
+    """"auto[:ratio=0.125,proj=FILE,max_loss=0.03]" (ratio and max_loss also as fractions, 1/8)."""
     head, _, rest = text.partition(":")
     if head != "auto":
-        raise SparqError(f"attention spec {text!r}: expected auto[:ratio=R,proj=FILE]")
+        raise SparqError(f"attention spec {text!r}: expected auto[:ratio=R,proj=FILE,max_loss=B]")
     kw: dict = {}
     seen: set = set()
     for item in rest.split(",") if rest else []:
@@ -232,15 +240,16 @@ def _parse_auto(text: str) -> Auto:
         if key in seen:
             raise SparqError(f"attention spec {text!r}: {key} given twice")
         seen.add(key)
-        if key == "ratio":
+        if key in ("ratio", "max_loss"):
             try:
                 kw[key] = float(Fraction(value))
             except (ValueError, ZeroDivisionError):
-                raise SparqError(f"attention spec {text!r}: ratio {value!r} is not a number or fraction like 1/8") from None
+                raise SparqError(f"attention spec {text!r}: {key} {value!r} is not a number or fraction like 1/8") \
+                    from None
         elif key == "proj":
             kw["projection"] = value
         else:
-            raise SparqError(f"attention spec {text!r}: unknown key {key!r} for auto (ratio, proj)")
+            raise SparqError(f"attention spec {text!r}: unknown key {key!r} for auto (ratio, proj, max_loss)")
     return Auto(**kw)
 
 

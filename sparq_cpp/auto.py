@@ -7,7 +7,9 @@ best rank of each method, sink and local window per ratio end to end (calib.prob
 on a repeated paragraph), and stores both in the calibration GGUF as loki.fidelity.* keys (`Fidelity` below).
 `Auto(ratio=0.125)`, the spec "auto:ratio=0.125", resolves for a model and a context size, among the candidates
 measured at the largest ratio not above the target, to the probed one that loses the fewest bits per character on
-text and retrieval together (without a probe: the least mean output error over the layers), its rank scaled by
+text and retrieval together, the text's loss being, where the probe scored several domains (prose, technical
+documentation, code, conversation: a setting must hold on text unlike its calibration), that of its worst domain
+relative to dense's bits per character there (without a probe: the least mean output error over the layers), its rank scaled by
 target / measured ratio, k the largest whose reads fit the target at n_ctx positions
 (sparq_cpp.transfer.rank_split), l the measured share of k, sink as measured. One setting for the whole model: a
 context has one mode (the cache layout), and choosing the method per layer gained nothing where measured
@@ -42,7 +44,9 @@ class Fidelity:
     """calib.budget's measurement as stored: per candidate (method, ratio, rank, k, l and sink at ctx positions),
     the relative error of its attention output and the attention mass it keeps, with the exact top-k's at its k,
     per measured layer; and calib.probe's: for the probed candidates, the bits per character lost against dense
-    on text and on a retrieval (probe_dense: dense's own, text and retrieval)."""
+    on text and on a retrieval (probe_dense: dense's own, text and retrieval), and where the text was scored per domain
+    (probe_domains), each domain's loss ([candidates, domains]) and dense's bits per character there; probe_text is
+    then the worst domain's loss."""
 
     ctx: int
     windows: int
@@ -63,6 +67,9 @@ class Fidelity:
     probe_text: tuple[float, ...] = ()
     probe_copy: tuple[float, ...] = ()
     probe_dense: tuple[float, ...] = ()
+    probe_domains: tuple[str, ...] = ()
+    probe_domain_loss: np.ndarray | None = None  # [candidates, domains]
+    probe_domain_dense: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.method)
@@ -80,6 +87,10 @@ class Fidelity:
         extra = {} if probe is None else {
             "probed": tuple(bool(x) for x in probe["probed"]), "probe_text": tuple(probe["text"]),
             "probe_copy": tuple(probe["copy"]), "probe_dense": (probe["dense_text"], probe["dense_copy"])}
+        if probe is not None and probe.get("domains"):
+            extra.update(probe_domains=tuple(probe["domains"]),
+                         probe_domain_loss=np.asarray(probe["domain_text"], np.float64).reshape(len(c), -1),
+                         probe_domain_dense=tuple(float(x) for x in probe["domain_dense"]))
         return cls(ctx=fid["ctx"], windows=fid["windows"], held_out=bool(fid.get("held_out", False)),
                    layers=tuple(fid["layers"]), method=tuple(x["method"] for x in c),
                    ratio=tuple(float(x["ratio"]) for x in c), rank=tuple(x["rank"] for x in c),
@@ -87,8 +98,40 @@ class Fidelity:
                    **{key: np.asarray(fid[key], np.float64) for key in ("mass", "exact_mass", "error", "exact_error")},
                    path=Path(path), **extra)
 
+    def worst_text(self, i: int) -> float:
+        """Bits per character lost against dense on text: the worst domain's where the probe scored domains."""
+        if self.probe_domains:
+            return max(float(x) for x in self.probe_domain_loss[i])
+        return self.probe_text[i]
+
+    def worst_domain(self, i: int) -> str:
+        """The domain whose text loses most relative to dense's there (the first on a tie); "text" without
+        domains."""
+        if not self.probe_domains:
+            return "text"
+        row = [float(x) / dense if dense > 0 else 0.0 for x, dense in zip(self.probe_domain_loss[i],
+                                                                          self.probe_domain_dense)]
+        return self.probe_domains[row.index(max(row))]
+
+    def domain_losses(self, i: int) -> str:
+        """Per domain, the bits per character lost and the loss relative to dense's there."""
+        return ", ".join(f"{d} {float(x):+.3f} ({float(x) / dense:+.1%})" if dense > 0 else f"{d} {float(x):+.3f}"
+                         for d, x, dense in zip(self.probe_domains, self.probe_domain_loss[i], self.probe_domain_dense))
+
+    def worst_relative(self, i: int) -> float:
+        """The largest loss of a probed candidate relative to dense's bits per character, over the domains (or the
+        text)."""
+        if not self.probe_domains:
+            return self.probe_text[i] / self.probe_dense[0] if self.probe_dense[0] > 0 else 0.0
+        return max(float(x) / dense if dense > 0 else 0.0
+                   for x, dense in zip(self.probe_domain_loss[i], self.probe_domain_dense))
+
     def probe_loss(self, i: int) -> float:
-        """Bits per character lost against dense on text and retrieval together (probed candidates)."""
+        """What a probed candidate loses: with domains, the worst domain's loss relative to dense's bits per character
+        there, plus the bits per character lost on the retrieval; without (an older calibration), the bits per
+        character lost on text and on the retrieval together."""
+        if self.probe_domains:
+            return self.worst_relative(i) + self.probe_copy[i]
         return self.probe_text[i] + self.probe_copy[i]
 
     def mean_mass(self, i: int) -> float:
@@ -102,7 +145,10 @@ class Fidelity:
         out = (f"{self.method[i]} {name}={self.rank[i]} k={self.k[i]} l={self.l[i]} sink={self.sink[i]}: output error "
                f"{self.mean_error(i):.3f} (exact top-k {float(self.exact_error[i].mean()):.3f}), keeps "
                f"{self.mean_mass(i):.3f} of the attention")
-        if self.probed[i]:
+        if self.probed[i] and self.probe_domains:
+            out += (f", loses bits per character on text per domain: {self.domain_losses(i)} (worst "
+                    f"{self.worst_domain(i)}), and {self.probe_copy[i]:+.3f} on a retrieval")
+        elif self.probed[i]:
             out += (f", loses {self.probe_text[i]:+.3f} bits per character on text and {self.probe_copy[i]:+.3f} on "
                     "a retrieval")
         return out
@@ -123,7 +169,8 @@ def read_fidelity(path) -> Fidelity | None:
             ("windows", "held_out", "layers", "method", "ratio", "rank", "k", "l", "mass", "exact_mass", "error",
              "exact_error")}
     optional = {key: metadata_value(r, f"loki.fidelity.{key}") for key in
-                ("sink", "probed", "probe_text", "probe_copy", "probe_dense")}
+                ("sink", "probed", "probe_text", "probe_copy", "probe_dense", "probe_domains", "probe_domain_loss",
+                 "probe_domain_dense")}
     missing = [key for key, v in keys.items() if v is None]
     if missing:
         raise SparqError(f"{path}: loki.fidelity.{missing[0]} is missing; calibrate the model again")
@@ -151,11 +198,29 @@ def read_fidelity(path) -> Fidelity | None:
                              "calibrate the model again")
         extra.update(probed=tuple(bool(x) for x in probe[0]), probe_text=tuple(float(x) for x in probe[1]),
                      probe_copy=tuple(float(x) for x in probe[2]), probe_dense=tuple(float(x) for x in probe[3]))
+        extra.update(_read_domains(path, optional, n))
     return Fidelity(ctx=int(ctx), windows=int(keys["windows"]), held_out=bool(keys["held_out"]),
                     layers=tuple(int(x) for x in keys["layers"]), method=tuple(keys["method"]),
                     ratio=tuple(float(x) for x in keys["ratio"]), rank=tuple(int(x) for x in keys["rank"]),
                     k=tuple(int(x) for x in keys["k"]), l=tuple(int(x) for x in keys["l"]),
                     **{key: a.reshape(n, L) for key, a in arrays.items()}, path=path, **extra)
+
+
+def _read_domains(path: Path, keys: dict, n: int) -> dict:
+    """The probe's per-domain losses (loki.fidelity.probe_domain*), checked; {} where the file has none."""
+    names, loss, dense = keys["probe_domains"], keys["probe_domain_loss"], keys["probe_domain_dense"]
+    if names is None and loss is None and dense is None:
+        return {}
+    m = len(names) if isinstance(names, list) else 0
+    if m == 0 or not all(isinstance(x, str) and x for x in names) or len(set(names)) != m:
+        raise SparqError(f"{path}: loki.fidelity.probe_domains must name one or more distinct domains; calibrate "
+                         "the model again")
+    for key, value, count in (("probe_domain_loss", loss, n * m), ("probe_domain_dense", dense, m)):
+        if not isinstance(value, list) or len(value) != count or not np.isfinite(np.asarray(value, np.float64)).all():
+            raise SparqError(f"{path}: loki.fidelity.{key} must hold {count} finite values ({m} domains); calibrate "
+                             "the model again")
+    return {"probe_domains": tuple(names), "probe_domain_loss": np.asarray(loss, np.float64).reshape(n, m),
+            "probe_domain_dense": tuple(float(x) for x in dense)}
 
 
 def _measured_ratio(fid: Fidelity, target: float) -> float:
@@ -199,6 +264,8 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
     D = summary.head_dim
     i = choose(fid, auto.ratio)
     base = fid.ratio[i]
+    if auto.max_loss is not None:
+        _check_bound(fid, auto, i, path)
     rank = max(1, min(D, round(fid.rank[i] * auto.ratio / base)))
     got = transfer.rank_split(fid.method[i], auto.ratio, n_ctx, D, rank)
     if got is None:
@@ -219,6 +286,24 @@ def resolve(auto: Auto, model_path, summary, n_ctx: int) -> tuple[SparQ | Loki, 
            f"sink={sink} at n_ctx={n_ctx}): at {fid.ctx} positions {fid.describe(i)}{other} (calibration {path.name}, "
            f"{fid.windows} windows{'' if fid.held_out else ', the calibration text itself'})")
     return chosen, why
+
+
+def _check_bound(fid: Fidelity, auto: Auto, i: int, path: Path) -> None:
+    """Refuse a choice measured to lose more than auto.max_loss on a domain, naming the smallest measured ratio whose
+    choice stays within it."""
+    head = f"auto:ratio={auto.ratio:g},max_loss={auto.max_loss:g}: "
+    if not fid.probed[i]:
+        raise SparqError(head + f"{path} has no end-to-end probe to bound the loss by; calibrate the model again with "
+                                "the probe")
+    if fid.worst_relative(i) <= auto.max_loss:
+        return
+    within = next((x for x in sorted(fid.ratio) if fid.probed[j := choose(fid, x)]
+                   and fid.worst_relative(j) <= auto.max_loss), None)
+    raise SparqError(head + f"at ratio {fid.ratio[i]:.4g} the calibration ({path.name}) measured its choice, "
+                     f"{fid.method[i]} {'r' if fid.method[i] == 'sparq' else 'd'}={fid.rank[i]}, losing "
+                     f"{fid.worst_relative(i):+.1%} bits per character on its worst domain, more than "
+                     f"{auto.max_loss:g}; " + (f"the smallest measured ratio within it is {within:.4g}"
+                                               if within is not None else "no measured ratio stays within it"))
 
 
 def known_poor(attention, model_path, summary, projection=None) -> str | None:
@@ -251,7 +336,8 @@ def known_poor(attention, model_path, summary, projection=None) -> str | None:
     if fid.probed[best] and fid.probed[mine]:
         if fid.probe_loss(best) <= fid.probe_loss(mine) - POOR_PROBE_MARGIN:
             return (f"{where}, this model's calibration ({path.name}) measured {fid.describe(best)}; "
-                    f"{attention.name} at best loses {fid.probe_text[mine]:+.3f} bits per character on text and "
+                    f"{attention.name} at best loses {fid.worst_text(mine):+.3f} bits per character on text (its "
+                    f"worst domain, {fid.worst_domain(mine)}, {fid.worst_relative(mine):+.1%}) and "
                     f"{fid.probe_copy[mine]:+.3f} on a retrieval: --attn auto --ratio 1/{round(1 / base)} picks the "
                     "former")
     elif fid.mean_error(best) <= fid.mean_error(mine) - POOR_MARGIN:

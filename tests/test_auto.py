@@ -117,6 +117,70 @@ def test_probe_decides_where_there_is_one(calibration, measured):
     assert warning and "retrieval" in warning
 
 
+def _domain_probe(cands, idx, a, b):
+    """A probe over domains prose, docs and code where candidate a loses least on average but most on one domain (docs,
+    +0.05 bits per character) and b a little everywhere (at most +0.03); every other probed candidate loses the
+    retrieval."""
+    loss = {a: [0.0, 0.05, 0.0], b: [0.03, 0.016, 0.02]}
+    domain_text = [loss.get(i, [0.01, 0.01, 0.01]) if i in idx else [0.0] * 3 for i in range(len(cands))]
+    return {"probed": [int(i in idx) for i in range(len(cands))], "samples": 2, "domains": ["prose", "docs", "code"],
+            "domain_text": domain_text, "domain_dense": [1.0, 0.8, 0.5], "text": [max(r) for r in domain_text],
+            "dense_text": 0.77, "dense_copy": 0.05,
+            "copy": [0.001 if i in (a, b) else 1.5 if i in idx else 0.0 for i in range(len(cands))]}
+
+
+def test_auto_weighs_the_worst_domain(calibration, measured):
+    """auto picks the probed candidate whose worst domain loses least (relative to dense's bits per character there),
+    not the one of least mean loss, reads the per-domain keys back (not probe_text, which is rigged here to say the
+    opposite) and names each domain's expected loss; max_loss refuses a choice above it and names the smallest
+    measured ratio within it."""
+    model, proj, fid = calibration
+    summary = check_gguf(model)
+    cands, idx = fid["candidates"], pick(fid)
+    at = [i for i in idx if cands[i]["ratio"] == 1 / 8]
+    a, b = at[0], at[-1]
+    probe = _domain_probe(cands, idx, a, b)
+    probe["text"] = [0.0 if i == a else x for i, x in enumerate(probe["text"])]  # an old reader's view: a wins
+    write_projection(proj, measured[1], model, ctx_size=CTX, fidelity=dict(fid, probe=probe))
+    got = read_fidelity(proj)
+    assert got.probe_domains == ("prose", "docs", "code") and got.probe_domain_loss.shape == (len(cands), 3)
+    np.testing.assert_allclose(got.probe_domain_dense, [1.0, 0.8, 0.5], rtol=1e-6)
+    assert got.worst_domain(a) == "docs" and abs(got.worst_text(a) - 0.05) < 1e-6
+    # the mean over domains prefers a (0.017 against 0.022); the worst domain prefers b (+4% against +6.25%)
+    assert np.mean(got.probe_domain_loss[a]) < np.mean(got.probe_domain_loss[b])
+    assert choose(got, 1 / 8) == b
+    setting, why = resolve(Auto(ratio=0.125), model, summary, 1024)
+    assert setting.name == cands[b]["method"]
+    assert "prose +0.030 (+3.0%), docs +0.016 (+2.0%), code +0.020 (+4.0%) (worst code)" in why, why
+    # the bound: relative to dense, b's worst domain is code at +4%
+    resolve(Auto(ratio=0.125, max_loss=0.05), model, summary, 1024)
+    with pytest.raises(SparqError) as e:
+        resolve(Auto(ratio=0.125, max_loss=0.035), model, summary, 1024)
+    msg = str(e.value)
+    assert "losing +4.0% bits per character on its worst domain, more than 0.035" in msg, msg
+    # every other ratio's choice loses the retrieval only: within the bound on text, so 1/16 is the smallest within
+    assert "the smallest measured ratio within it is 0.0625" in msg, msg
+    assert parse_attention("auto:ratio=1/8,max_loss=0.05") == Auto(ratio=0.125, max_loss=0.05)
+    with pytest.raises(SparqError, match="max_loss must be a number in"):
+        Auto(ratio=0.125, max_loss=1.5)
+
+
+def test_older_calibrations_without_domains_still_choose(calibration, measured):
+    """A probe without per-domain keys (an older calibration) is read as before: text and retrieval together."""
+    model, proj, fid = calibration
+    cands, idx = fid["candidates"], pick(fid)
+    at = [i for i in idx if cands[i]["ratio"] == 1 / 8]
+    a, b = at[0], at[-1]
+    probe = _domain_probe(cands, idx, a, b)
+    probe["text"] = [0.0 if i == a else x for i, x in enumerate(probe["text"])]  # without domains, a wins
+    for key in ("domains", "domain_text", "domain_dense"):
+        probe.pop(key)
+    write_projection(proj, measured[1], model, ctx_size=CTX, fidelity=dict(fid, probe=probe))
+    got = read_fidelity(proj)
+    assert got.probe_domains == () and got.probe_domain_loss is None
+    assert choose(got, 1 / 8) == a and "per domain" not in got.describe(a)
+
+
 def test_fidelity_round_trips_and_is_bounded_by_exact(calibration):
     _, proj, fid = calibration
     got = read_fidelity(proj)

@@ -16,6 +16,7 @@ from sparq_cpp.calib import write_projection  # noqa: E402
 from sparq_cpp.calib.budget import candidates  # noqa: E402
 from sparq_cpp.calib.pca import LokiPCA  # noqa: E402
 from sparq_cpp.calib.probe import pick  # noqa: E402
+from sparq_cpp.errors import SparqError  # noqa: E402
 from sparq_cpp.gguf_check import check_gguf  # noqa: E402
 from sparq_cpp.modelfactory import default_model_path  # noqa: E402
 from sparq_cpp.pyext.build import tool_path  # noqa: E402
@@ -52,12 +53,29 @@ def _fidelity(summary, rig: str, seed: int = 0) -> dict:
     fid = {"ctx": CTX, "windows": 2, "held_out": rig != "tie", "layers": list(range(L)), "candidates": cands,
            "mass": mass.tolist(), "exact_mass": np.minimum(mass + 0.05, 1.0).tolist(),
            "error": error.tolist(), "exact_error": (error * 0.5).tolist()}
-    if rig == "probe":
+    if rig in ("probe", "domains"):
         idx = pick(fid)
         text, copy = rng.uniform(-0.01, 0.1, len(cands)), rng.uniform(0.0, 2.0, len(cands))
         fid["probe"] = {"probed": [int(i in idx) for i in range(len(cands))], "samples": 2, "dense_text": 1.2,
                         "dense_copy": 0.05, "text": [float(x) if i in idx else 0.0 for i, x in enumerate(text)],
                         "copy": [float(x) if i in idx else 0.0 for i, x in enumerate(copy)]}
+    if rig == "domains":
+        # per domain (dense 1.2, 0.9, 0.6, 1.5), rigged so that at every ratio neither the least mean loss nor the
+        # least worst loss in bits is the least worst loss relative to dense's: the tools must weigh that (probe_text
+        # says the mean here)
+        loss = rng.uniform(0.0, 0.05, (len(cands), 4))
+        copy = np.full(len(cands), 0.01)
+        for t in (1 / 4, 1 / 8, 1 / 16):
+            at = [i for i in idx if cands[i]["ratio"] == t]
+            loss[at[1:-1]] = rng.uniform(0.05, 0.1, (len(at) - 2, 4))
+            loss[at[0]] = [0.0, 0.0, 0.0, 0.12]      # worst +8.0% (chat)
+            loss[at[1]] = [0.0, 0.0, 0.03, 0.0]      # least mean and least worst in bits, but +5.0% on code
+            loss[at[-1]] = [0.04, 0.03, 0.02, 0.05]  # +3.3% everywhere: the least worst relative to dense
+        fid["probe"].update(domains=["prose", "docs", "code", "chat"],
+                            domain_text=[[float(x) if i in idx else 0.0 for x in row] for i, row in enumerate(loss)],
+                            domain_dense=[1.2, 0.9, 0.6, 1.5],
+                            text=[float(row.mean()) if i in idx else 0.0 for i, row in enumerate(loss)],
+                            copy=[float(x) if i in idx else 0.0 for i, x in enumerate(copy)])
     return fid
 
 
@@ -90,7 +108,7 @@ def _context_line(setting) -> str:
 
 @pytest.mark.parametrize("preset, rig", [("tiny", "random"), ("tiny-gqa", "random"), ("tiny", "sparq"),
                                          ("tiny", "loki"), ("tiny-gqa", "tie"), ("tiny", "probe"),
-                                         ("tiny-gqa", "probe")])
+                                         ("tiny-gqa", "probe"), ("tiny", "domains"), ("tiny-gqa", "domains")])
 def test_completion_resolves_auto_as_python_does(tmp_path, preset, rig):
     model, summary = _calibrated(tmp_path, preset, rig)
     cases = [("auto:ratio=1/8", 0.125, 1024, 1), ("auto:ratio=0.1", 0.1, 2048, 1), ("auto", 0.125, 512, 1),
@@ -101,6 +119,26 @@ def test_completion_resolves_auto_as_python_does(tmp_path, preset, rig):
         assert proc.returncode == 0, (spec, proc.stderr[-2000:])
         assert why in proc.stderr, (spec, why, [ln for ln in proc.stderr.splitlines() if "auto:" in ln])
         assert _context_line(want) in proc.stderr, (spec, want)
+        if rig == "domains":  # the worst domain relative to dense's decided: the last probed candidate of the ratio
+            assert "code +0.020 (+3.3%), chat +0.050 (+3.3%) (worst " in why and "+0.010 on a retrieval" in why, why
+
+
+def test_completion_bounds_auto_as_python_does(tmp_path):
+    """max_loss: both refuse a choice whose worst domain lost more (relative to dense) with the same message, naming
+    the smallest measured ratio within the bound, and accept one within it."""
+    model, summary = _calibrated(tmp_path, "tiny", "domains")
+    # the choices lose +3.3% of dense's bits per character on every domain
+    want, why = resolve(Auto(ratio=0.125, max_loss=0.04), model, summary, 1024)
+    proc = _completion(model, "auto:ratio=1/8,max_loss=0.04", "-c", "1024")
+    assert proc.returncode == 0 and why in proc.stderr and _context_line(want) in proc.stderr, proc.stderr[-2000:]
+    with pytest.raises(SparqError) as e:
+        resolve(Auto(ratio=0.125, max_loss=0.03), model, summary, 1024)
+    assert "losing +3.3% bits per character on its worst domain, more than 0.03" in str(e.value)
+    assert "no measured ratio stays within it" in str(e.value)
+    args = [tool_path("llama-completion"), "-m", model, "-p", "x", "-n", "2", "-fa", "on", "-no-cnv", "-c", "1024",
+            "--sparse-attn", "auto:ratio=1/8,max_loss=0.03"]
+    assert_refused(args, ENV, str(e.value))
+    assert_refused(args[:-1] + ["auto:ratio=1/8,max_loss=2"], ENV, "max_loss must be a number in (0, 1)")
 
 
 def test_completion_auto_with_the_file_given(tmp_path):

@@ -369,7 +369,7 @@ def test_cli_errors(case, tmp_path, text_file):
     needle = {
         "unwritable": "a_file is not a directory", "out-is-dir": "is a directory", "missing-model": "not found",
         "not-gguf": "not a GGUF file", "foreign-gguf": "missing key llama.",
-        "empty-text": "is empty", "no-text": "no calibration text", "tokens<ctx": "--tokens 100 is less than",
+        "empty-text": "is empty", "no-text": "--no-domains needs a calibration text of your own", "tokens<ctx": "--tokens 100 is less than",
     }[case]
     if case == "unwritable":
         (tmp_path / "a_file").write_text("x")
@@ -388,13 +388,13 @@ def test_cli_errors(case, tmp_path, text_file):
     elif case == "empty-text":
         args["--text"] = tmp_path / "empty.txt"
         args["--text"].write_text("  \n")
-    elif case == "no-text":
+    elif case == "no-text":  # without --text the default corpus is used, unless --no-domains
         del args["--text"]
     elif case == "tokens<ctx":
         args["--tokens"] = 100
     before = set(tmp_path.rglob("*"))
     t0 = time.perf_counter()
-    r = cli_invoke(*[x for kv in args.items() for x in kv])
+    r = cli_invoke(*[x for kv in args.items() for x in kv], *(["--no-domains"] if case == "no-text" else []))
     assert_one_line_error(r, needle)
     assert time.perf_counter() - t0 < 10  # refused before any calibration run
     assert set(tmp_path.rglob("*")) == before  # no partial output

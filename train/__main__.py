@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import click
 
 from sparq_cpp import lazy
 from sparq_cpp.cli.runner import run_standalone
 from sparq_cpp.errors import SparqError
-from sparq_cpp.train import corpus, evaldata
+from sparq_cpp.train import corpus, domains, evaldata
 from sparq_cpp.train.card import measure, write_card
 
 
@@ -84,15 +85,21 @@ def train(out, deb, init, **kw):
 
 
 @cli.command("eval-data")
-@click.option("--out", required=True, metavar="DIR", help="Directory for heldout.txt, needle.txt, kv.txt, calib.txt.")
+@click.option("--out", required=True, metavar="DIR",
+              help="Directory for heldout.txt, needle.txt, kv.txt, calib.txt, and domains/ (the held-out domains).")
 @click.option("--deb", default=None, metavar="FILE", help="Use this r-cran-janeaustenr .deb instead of apt-get.")
 def eval_data(out, deb):
     """Task files for `sparq-cpp eval` from the held-out text (the last 5% of each novel), and
-    calibration text for `sparq-cpp calibrate` from the training text."""
+    calibration text for `sparq-cpp calibrate` from the training text; under domains/, each domain's held-out and
+    calibration parts (prose, docs, code, chat: sparq_cpp.train.domains) and calib-mixed.txt, all four."""
     paths = evaldata.write(out, deb)
     calib = paths.pop("calib")
+    manifest = domains.build(Path(out) / "domains", deb)
     click.echo("sparq-cpp eval " + " ".join(f"--data {task}={path}" for task, path in paths.items()))
-    click.echo(f"sparq-cpp calibrate --text {calib}")
+    click.echo("sparq-cpp eval --tasks '' " + " ".join(f"--domain {d}={v['heldout']}"
+                                                      for d, v in manifest["domains"].items()))
+    click.echo(f"sparq-cpp calibrate --text {calib}   # Austen only")
+    click.echo(f"sparq-cpp calibrate --text {manifest['mixed']}   # the four domains (calibrate's default)")
 
 
 @cli.command("eval")

@@ -54,7 +54,7 @@ static bool sa_parse_ratio(const std::string & s, double & out) {
 
 bool common_sparse_attn_auto_parse(const std::string & spec, common_sparse_attn_auto & out, std::string & err) {
     if (!common_sparse_attn_is_auto(spec)) {
-        err = "expected auto[:ratio=R,proj=FILE]";
+        err = "expected auto[:ratio=R,proj=FILE,max_loss=B]";
         return false;
     }
     common_sparse_attn_auto res;
@@ -91,8 +91,13 @@ bool common_sparse_attn_auto_parse(const std::string & spec, common_sparse_attn_
             }
         } else if (key == "proj") {
             res.proj = val;
+        } else if (key == "max_loss") {
+            if (!sa_parse_ratio(val, res.max_loss) || !(res.max_loss > 0.0 && res.max_loss < 1.0)) {
+                err = "max_loss must be a number in (0, 1): bits per character lost / dense's, got " + val;
+                return false;
+            }
         } else {
-            err = "unknown key '" + key + "' for auto (ratio, proj)";
+            err = "unknown key '" + key + "' for auto (ratio, proj, max_loss)";
             return false;
         }
     }
@@ -115,9 +120,13 @@ struct sa_fidelity {
     std::vector<double>      mass, exact_mass, error, exact_error;
 
     // the end-to-end probe (optional): per candidate, whether probed and the bits per character lost on text and
-    // on a retrieval
+    // on a retrieval; dense's own (text, retrieval)
     std::vector<int64_t> probed;
-    std::vector<double>  probe_text, probe_copy;
+    std::vector<double>  probe_text, probe_copy, probe_dense;
+
+    // the text per domain (optional): names, the loss per candidate and domain ([candidate][domain]), dense's
+    std::vector<std::string> domains;
+    std::vector<double>      domain_loss, domain_dense;
 };
 
 static bool sa_get_int(const gguf_context * ctx, int64_t id, size_t i, int64_t & out) {
@@ -280,10 +289,29 @@ static bool sa_read_fidelity(const std::string & path, sa_fidelity & fid, std::s
         fid.sink.assign(n, 0);
     }
     if (gguf_find_key(g, "loki.fidelity.probed") >= 0) {
-        std::vector<double> dense;
         if (!ints("probed", fid.probed) || !floats("probe_text", n, true, fid.probe_text) ||
-            !floats("probe_copy", n, true, fid.probe_copy) || !floats("probe_dense", 2, true, dense)) {
+            !floats("probe_copy", n, true, fid.probe_copy) || !floats("probe_dense", 2, true, fid.probe_dense)) {
             return false;
+        }
+        const bool any_domain = gguf_find_key(g, "loki.fidelity.probe_domains") >= 0 ||
+                                gguf_find_key(g, "loki.fidelity.probe_domain_loss") >= 0 ||
+                                gguf_find_key(g, "loki.fidelity.probe_domain_dense") >= 0;
+        if (any_domain) {
+            const int64_t id = gguf_find_key(g, "loki.fidelity.probe_domains");
+            const bool strings = id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY &&
+                                 gguf_get_arr_type(g, id) == GGUF_TYPE_STRING;
+            const size_t m = strings ? gguf_get_arr_n(g, id) : 0;
+            for (size_t j = 0; j < m; ++j) {
+                fid.domains.emplace_back(gguf_get_arr_str(g, id, j));
+            }
+            std::set<std::string> distinct(fid.domains.begin(), fid.domains.end());
+            if (m == 0 || distinct.size() != m || distinct.count("")) {
+                return bad("probe_domains", "must name one or more distinct domains");
+            }
+            if (!floats("probe_domain_loss", n * m, true, fid.domain_loss) ||
+                !floats("probe_domain_dense", m, true, fid.domain_dense)) {
+                return false;
+            }
         }
     } else {
         fid.probed.assign(n, 0);
@@ -342,10 +370,33 @@ static double sa_measured_ratio(const sa_fidelity & fid, double target) {
     return below >= 0.0 ? below : least;
 }
 
-// what auto minimises: the bits per character a probed candidate loses on text and retrieval together, else the
-// mean output error
+// candidate i's loss on domain j relative to dense's bits per character there
+static double sa_relative(const sa_fidelity & fid, size_t i, size_t j) {
+    const size_t m = fid.domains.size();
+    return fid.domain_dense[j] > 0.0 ? fid.domain_loss[i * m + j] / fid.domain_dense[j] : 0.0;
+}
+
+// the largest loss of a probed candidate relative to dense's bits per character, over the domains (or the text)
+static double sa_worst_relative(const sa_fidelity & fid, size_t i) {
+    if (fid.domains.empty()) {
+        return fid.probe_dense[0] > 0.0 ? fid.probe_text[i] / fid.probe_dense[0] : 0.0;
+    }
+    const size_t m = fid.domains.size();
+    double res = 0.0;
+    for (size_t j = 0; j < m; ++j) {
+        res = j == 0 ? sa_relative(fid, i, j) : std::max(res, sa_relative(fid, i, j));
+    }
+    return res;
+}
+
+// what auto minimises: for a probed candidate, its worst domain's loss relative to dense's bits per character there
+// plus the bits per character lost on the retrieval (without domains, an older calibration: the bits per character
+// lost on text and retrieval together); else the mean output error
 static double sa_score(const sa_fidelity & fid, size_t i) {
-    return fid.probed[i] ? fid.probe_text[i] + fid.probe_copy[i] : sa_mean(fid.error, i, fid.n_layer);
+    if (!fid.probed[i]) {
+        return sa_mean(fid.error, i, fid.n_layer);
+    }
+    return (fid.domains.empty() ? fid.probe_text[i] : sa_worst_relative(fid, i)) + fid.probe_copy[i];
 }
 
 // the candidate at the measured ratio for target (of method only, if not empty) of least sa_score among the probed
@@ -472,6 +523,35 @@ bool common_sparse_attn_auto_resolve(
     const double base  = fid.ratio[i];
     const bool   sparq = fid.method[i] == "sparq";
 
+    if (req.max_loss > 0.0) { // refuse to promise less than was measured
+        const std::string name = std::filesystem::path(path).filename().string();
+        const std::string head = string_format("auto:ratio=%g,max_loss=%g: ", req.ratio, req.max_loss);
+        if (!fid.probed[i]) {
+            err = head + path + " has no end-to-end probe to bound the loss by; calibrate the model again with the "
+                  "probe";
+            return false;
+        }
+        if (sa_worst_relative(fid, i) > req.max_loss) {
+            std::vector<double> measured(fid.ratio.begin(), fid.ratio.end());
+            std::sort(measured.begin(), measured.end());
+            double within = -1.0;
+            for (double x : measured) {
+                const int j = sa_choose(fid, x);
+                if (fid.probed[j] && sa_worst_relative(fid, j) <= req.max_loss) {
+                    within = x;
+                    break;
+                }
+            }
+            err = head + string_format("at ratio %.4g the calibration (%s) measured its choice, %s %s=%lld, losing "
+                    "%+.1f%% bits per character on its worst domain, more than %g; ", base, name.c_str(),
+                    fid.method[i].c_str(), sparq ? "r" : "d", (long long) fid.rank[i],
+                    sa_worst_relative(fid, i) * 100.0, req.max_loss);
+            err += within > 0.0 ? string_format("the smallest measured ratio within it is %.4g", within)
+                                : std::string("no measured ratio stays within it");
+            return false;
+        }
+    }
+
     // the measured rank scaled to the target ratio (round half to even, as the calibration tools do)
     const double  scaled = std::nearbyint((double) fid.rank[i] * req.ratio / base);
     const int64_t rank   = std::max<int64_t>(1, std::min<int64_t>(D, (int64_t) scaled));
@@ -507,7 +587,23 @@ bool common_sparse_attn_auto_resolve(
                 "keeps %.3f of the attention", fid.method[j].c_str(), fid.method[j] == "sparq" ? "r" : "d",
                 (long long) fid.rank[j], (long long) fid.k[j], (long long) fid.l[j], (long long) fid.sink[j],
                 sa_mean(fid.error, j, fid.n_layer), sa_mean(fid.exact_error, j, fid.n_layer), sa_mean(fid.mass, j, fid.n_layer));
-        if (fid.probed[j]) {
+        if (fid.probed[j] && !fid.domains.empty()) {
+            const size_t m = fid.domains.size();
+            std::string per;
+            size_t worst = 0;
+            for (size_t d = 0; d < m; ++d) {
+                const double x = fid.domain_loss[j * m + d];
+                per += (d ? ", " : "") + fid.domains[d] + string_format(" %+.3f", x);
+                if (fid.domain_dense[d] > 0.0) {
+                    per += string_format(" (%+.1f%%)", x / fid.domain_dense[d] * 100.0);
+                }
+                if (sa_relative(fid, j, d) > sa_relative(fid, j, worst)) {
+                    worst = d;
+                }
+            }
+            res += ", loses bits per character on text per domain: " + per + " (worst " + fid.domains[worst] +
+                   string_format("), and %+.3f on a retrieval", fid.probe_copy[j]);
+        } else if (fid.probed[j]) {
             res += string_format(", loses %+.3f bits per character on text and %+.3f on a retrieval", fid.probe_text[j],
                     fid.probe_copy[j]);
         }
