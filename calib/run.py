@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 
 from tqdm import tqdm
 
@@ -85,8 +86,9 @@ def _single_threaded_blas():
 
 
 def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2048, n_threads: int | None = None,
-              progress: bool = False) -> LokiPCA:
-    """Loki PCA (pre and post RoPE) of the model's keys over up to n_tokens tokens of text."""
+              progress: bool = False, on_first_chunk=None) -> LokiPCA:
+    """Loki PCA (pre and post RoPE) of the model's keys over up to n_tokens tokens of text. on_first_chunk(done,
+    total, seconds): called once the first chunk of `done` of the `total` tokens has run, for an early estimate."""
     check_sizes(n_tokens, ctx_size)
     if not text.strip():
         raise SparqError("the calibration text is empty")
@@ -116,8 +118,11 @@ def calibrate(model_path, text: str, *, n_tokens: int = 16384, ctx_size: int = 2
             bar = tqdm(total=sum(map(len, todo)), unit="tok", desc="calibrating", dynamic_ncols=True)
         try:
             with _single_threaded_blas():
-                for c in todo:
+                t0 = time.perf_counter()
+                for i, c in enumerate(todo):
                     cap.run(c)
+                    if i == 0 and on_first_chunk is not None:
+                        on_first_chunk(len(c), sum(map(len, todo)), time.perf_counter() - t0)
         finally:
             if bar is not None:
                 bar.close()

@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
 
 from sparq_cpp import lazy
 from sparq_cpp.calib.budget import measure_budget
@@ -157,19 +156,32 @@ def command(model, texts, n_tokens, ctx_size, threads, out, embed, fidelity, fid
     def stage(i, what):
         click.echo(f"[{i}/{stages}] {what}", err=True)
 
+    def after_fit(rate: float) -> float:
+        """Seconds of the stages after the fit, at the fit's speed in tokens/s. In units of that speed, from one
+        run (SmolLM2-135M, -t 1: fit 16384 tokens in 71 s, fidelity on 4 windows of 2048 in 522 s, probe of 2 + 2
+        samples in 160 s): the fidelity costs about 15 fit-tokens per window token (every candidate's selection),
+        the probe about 4.5 per sample token (each setting and dense)."""
+        if not fidelity:
+            return 0.0
+        return fidelity_windows * ctx_size * 15 / rate + (probe_samples * (n_domains + 1) * ctx_size * 4.5 / rate
+                                                          if probe else 0)
+
+    def first_chunk(done: int, total: int, seconds: float) -> None:
+        # as soon as the machine's speed is known: the whole run, not only the fit
+        if seconds > 0 and done > 0:
+            rate0 = done / seconds
+            click.echo(f"[1/{stages}] fitting the PCA bases on {total} tokens; the whole calibration will take about "
+                       f"{_minutes(total / rate0 + after_fit(rate0))} (at the speed of its first {done} tokens)",
+                       err=True)
+
     t0 = time.perf_counter()
     pca = calibrate(model, text, n_tokens=n_tokens, ctx_size=ctx_size, n_threads=threads,
-                    progress=progress_enabled(progress))
+                    progress=progress_enabled(progress), on_first_chunk=first_chunk)
     seconds = time.perf_counter() - t0
     rate = pca.n_tokens / seconds if seconds > 0 else 0.0
     stage(1, f"fitted the PCA bases on {pca.n_tokens} tokens in {seconds:.1f} s ({rate:.0f} tokens/s)")
     if fidelity and rate > 0:
-        # in units of the fit's speed, from one run (SmolLM2-135M, -t 1: fit 16384 tokens in 71 s, fidelity on
-        # 4 windows of 2048 in 522 s, probe of 2 + 2 samples in 160 s): the fidelity costs about 15 fit-tokens per
-        # window token (every candidate's selection), the probe about 4.5 per sample token (each setting and dense)
-        est = fidelity_windows * ctx_size * 15 / rate + (probe_samples * (n_domains + 1) * ctx_size * 4.5 / rate
-                                                         if probe else 0)
-        click.echo(f"        the rest will take about {_minutes(est)} at this speed", err=True)
+        click.echo(f"        the rest will take about {_minutes(after_fit(rate))} at this speed", err=True)
     fid = None
     if fidelity:
         stage(2, f"measuring SparQ's and Loki's fidelity at 1/4, 1/8, 1/16 on {fidelity_windows} windows")

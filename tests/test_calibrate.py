@@ -337,6 +337,9 @@ def test_cli_writes_projection_table_and_figure(tmp_path, text_file):
     assert r.exit_code == 0, r.output
     assert "layer    pre   post" in r.stdout and "  all " in r.stdout
     assert "tokens/s" in r.stderr
+    # an estimate of the whole run as soon as the first chunk's speed is known, before the fit's line
+    early = r.stderr.index("the whole calibration will take about")
+    assert "(at the speed of its first 512 tokens)" in r.stderr and early < r.stderr.index("fitted the PCA bases")
     assert read_projection(out, model_path=model).calibration_tokens == 1024
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fig2.png", "p.gguf"]
