@@ -56,7 +56,7 @@ class _Utf8Stream:
 
 
 def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None,
-                           model: Path | None = None, ratio=None, sink=None):
+                           model: Path | None = None, ratio=None, sink=None, max_loss=None):
     """The attention settings the options ask for. Loki without --loki-pca takes `<model stem>.loki.gguf`
     next to the model when there is one (what `sparq-cpp calibrate` writes) and says so; auto reads the same
     calibration (sparq_cpp.auto resolves it when the model is opened)."""
@@ -68,10 +68,11 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
                              "is --ratio)")
         if loki_pca is not None and not Path(loki_pca).is_file():
             raise SparqError(f"--loki-pca: file not found: {loki_pca}")
-        return Auto(ratio=0.125 if ratio is None else _ratio(ratio), projection=loki_pca)
-    if ratio is not None:
-        raise SparqError("--ratio is the budget of --attn auto; use --attn auto, or set --sparq-r/--loki-d and "
-                         "--sparse-k")
+        return Auto(ratio=0.125 if ratio is None else _ratio(ratio), projection=loki_pca,
+                    max_loss=None if max_loss is None else _max_loss(max_loss))
+    if ratio is not None or max_loss is not None:
+        raise SparqError(f"{'--ratio' if ratio is not None else '--max-loss'} is a bound of --attn auto; use --attn "
+                         "auto, or set --sparq-r/--loki-d and --sparse-k")
     sparq_only = r is not None or no_mean_value
     loki_only = d is not None or loki_pca is not None
     shared = k is not None or l is not None or sink is not None
@@ -108,6 +109,18 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
         return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
                     projection=loki_pca, variant=loki_variant, sink=0 if sink is None else sink)
     return Dense()
+
+
+def _max_loss(text: str) -> float:
+    """--max-loss as a share: 0.03 or 3%."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise SparqError(f"--max-loss {text!r} is not a number like 0.03 or 3%") from None
+    if not 0 < value < 1:
+        raise SparqError(f"--max-loss must be in (0, 1) (bits per character lost / dense's), got {text}")
+    return value
 
 
 def _ratio(text: str) -> float:
@@ -201,7 +214,7 @@ def _chat_prompt(llm, text: str, system: str | None, template: str | None = None
 def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, threads_batch, gpu_layers, parallel,
             seed, temp, top_k, top_p, min_p, repeat_penalty, grammar, grammar_file, json_schema, reverse_prompt,
             ignore_eos, chat_template, chat_template_file, jinja, display_prompt, cache_type_k, cache_type_v,
-            cache_type, flash_attn, attn, ratio, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c):
+            cache_type, flash_attn, attn, ratio, max_loss, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c):
     """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
     models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
     the last step read against dense."""
@@ -211,7 +224,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
     text = _read_prompt(prompt, prompt_file)
     path = resolve_model(model)
     attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
-                                       ratio=ratio, sink=sink)
+                                       ratio=ratio, sink=sink, max_loss=max_loss)
     fa = flash_attn_for(flash_attn, attention)
     if system is not None and chat is False:
         raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")

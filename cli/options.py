@@ -127,7 +127,7 @@ class _AmbiguousC(click.Option):
 def attention_options(command):
     """The attention options of `generate` and `serve`: --attn, SparQ's --sparq-r/--no-mean-value, Loki's
     --loki-d/--loki-pca/--loki-variant, --sparse-k/--sparse-l/--sparse-sink for both, ALISA's --alisa-c and auto's
-    --ratio (see cli.generate.attention_from_options). --r, --d, --k, --l, --sink are kept as short aliases."""
+    --ratio and --max-loss (see cli.generate.attention_from_options). --r, --d, --k, --l, --sink are kept as short aliases."""
     options = [
         click.option("--attn", type=click.Choice(["dense", "sparq", "loki", "alisa", "auto"]), default=None,
                      help="Attention: dense, sparq (the default when --sparq-r or --sparse-k is given), loki (the "
@@ -135,6 +135,9 @@ def attention_options(command):
                           "setting the model's calibration (`sparq-cpp calibrate`) measured best within --ratio."),
         click.option("--ratio", type=str, default=None,
                      help="auto: attention data read per step at a full context / dense, in (0, 1), e.g. 1/8 [1/8]."),
+        click.option("--max-loss", "max_loss", type=str, default=None,
+                     help="auto: refuse a choice whose calibration probe lost more than this share of dense's bits "
+                          "per character on any domain, e.g. 0.03 or 3% [no bound]."),
         click.option("--sparq-r", "--r", "r", type=int, default=None,
                      help="SparQ: query components used to rank positions, 1..head size [16]."),
         click.option("--loki-d", "--d", "d", type=int, default=None,

@@ -350,7 +350,7 @@ class _ServeCommand(click.Command):
                    "llama-server's default (any origin).")
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
 def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_type_v, cache_type, flash_attn, attn,
-            ratio, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c, cors, print_command):
+            ratio, max_loss, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c, cors, print_command):
     """Serve a model over HTTP with OpenAI-style /v1/chat/completions and /v1/completions (llama-server),
     with SparQ, Loki or ALISA attention, its settings checked first. Options after `--` go to llama-server
     as they are (e.g. `-- --alias mymodel --metrics`), except those that would replace a checked setting."""
@@ -358,7 +358,7 @@ def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_
     type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
     path = resolve_model(model)
     attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
-                                       ratio=ratio, sink=sink)
+                                       ratio=ratio, sink=sink, max_loss=max_loss)
     summary = check_gguf(path)
     if isinstance(attention, Auto):  # resolved for one slot's context
         check_sparse(summary, "auto")

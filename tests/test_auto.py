@@ -15,6 +15,7 @@ from sparq_cpp.auto import choose, known_poor, read_fidelity, resolve  # noqa: E
 from sparq_cpp.calib import calibrate, write_projection  # noqa: E402
 from sparq_cpp.calib.budget import candidates, measure_budget, selection  # noqa: E402
 from sparq_cpp.calib.probe import pick  # noqa: E402
+from sparq_cpp.cli.generate import attention_from_options  # noqa: E402
 from sparq_cpp.errors import SparqError  # noqa: E402
 from sparq_cpp.gguf_check import check_gguf  # noqa: E402
 from sparq_cpp.modelfactory import default_model_path  # noqa: E402
@@ -163,6 +164,16 @@ def test_auto_weighs_the_worst_domain(calibration, measured):
     assert parse_attention("auto:ratio=1/8,max_loss=0.05") == Auto(ratio=0.125, max_loss=0.05)
     with pytest.raises(SparqError, match="max_loss must be a number in"):
         Auto(ratio=0.125, max_loss=1.5)
+    # generate's and serve's --max-loss (a share or a percentage) reach the same refusal
+    assert attention_from_options("auto", None, None, None, False, model=model, ratio="1/8",
+                                  max_loss="3.5%") == Auto(ratio=0.125, max_loss=0.035)
+    res = run_cli("generate", "-m", str(model), "-n", "2", "-p", "hi", "--attn", "auto", "--ratio", "1/8",
+                  "--max-loss", "0.035")
+    assert res.returncode != 0 and "more than 0.035" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    with pytest.raises(SparqError, match="--max-loss is a bound of --attn auto"):
+        attention_from_options(None, 8, 32, None, False, max_loss="0.03")
+    with pytest.raises(SparqError, match="--max-loss must be in"):
+        attention_from_options("auto", None, None, None, False, max_loss="150%")
 
 
 def test_older_calibrations_without_domains_still_choose(calibration, measured):
