@@ -27,6 +27,7 @@ import time
 import click
 import numpy as np
 
+from sparq_cpp import transfer
 from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.errors import SparqError
 from sparq_cpp.bindings import ggml_ops as go
@@ -62,16 +63,17 @@ def _thp_mode() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else "unknown"
 
 
-def bytes_dense(n, D, n_head_kv, ts=2):
-    return n_head_kv * (2 * n * D + 2 * D) * ts
+def bytes_dense(n, D, n_head_kv, cache_type="f16"):
+    return n_head_kv * transfer.dense_bytes(n, D, cache_type)
 
 
-def bytes_sparq(n, D, n_head_kv, r, k, ts=2):
-    return n_head_kv * (n * r + 2 * min(k, n) * D + 4 * D) * ts
+def bytes_sparq(n, D, n_head_kv, r, k, cache_type="f16"):
+    # K^T is f16 whatever the cache (f32 with an f32 cache, which the bench does not run)
+    return n_head_kv * transfer.sparq_bytes(n, D, r, k, cache_type, "f16")
 
 
-def bytes_loki(n, D, n_head_kv, d, k, ts=2):
-    return n_head_kv * (n * d + 2 * min(k, n) * D + 2 * D) * ts
+def bytes_loki(n, D, n_head_kv, d, k, cache_type="f16"):
+    return n_head_kv * transfer.loki_bytes(n, D, d, k, cache_type)
 
 
 def phase_line(row: dict, m: str, ns, threads: int, bw: float, rank_bytes: int) -> str:
@@ -106,7 +108,7 @@ def random_layer(rng, n_kv, n_head, n_head_kv, D, n_seq=1):
 
 
 def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, mean_value=True, seed=0,
-                loki_d=None, loki_l=0, n_seq=1, phases=None):
+                loki_d=None, loki_l=0, n_seq=1, phases=None, cache_type="f16"):
     """{"sparq"|"dense"|"loki": (median, min) seconds per layer} and the number of layers; Loki (on the
     same K/V, standing in for the rotated cache: the op's cost does not depend on the basis) only with
     loki_d. n_seq sequences decode together (llama-server's slots in one batch): a query row each, each seeing
@@ -119,7 +121,7 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
     with go.Graph(n_tensors=32 * L) as gs, go.Graph(n_tensors=32 * L) as gd, go.Graph(n_tensors=32 * L) as gl:
         for _ in range(L):
             q, kk, vv, vm = random_layer(rng, n_kv, n_head, n_head_kv, D, n_seq)
-            cache = go.KVCache(gs, kk, vv, "f16")
+            cache = go.KVCache(gs, kk, vv, cache_type)
             del kk, vv
             qt = go.q_tensor(gs, q)
             mt = go.mask_tensor(gs, mask)
@@ -176,6 +178,8 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
               help="Also time the kernel's phases (ranking, selection, attention) by its counters: needs a build "
                    "with them (python -m sparq_cpp.pyext.build --no-install "
                    "--cmake-arg=-DCMAKE_CXX_FLAGS=-DGGML_SPARSE_ATTN_PROFILE, then SPARQ_CPP_LIB_DIR=its bin folder).")
+@click.option("--cache-type", type=click.Choice(["f16", "q8_0"]), default="f16", show_default=True,
+              help="K and V cache type (SparQ's K^T is f16 either way).")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reps", default=7, show_default=True)
 @click.option("--mem-budget-gb", default=3.0, show_default=True, help="cache memory per graph")
@@ -184,8 +188,8 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
                    "the kernel's THP mode is 'madvise' or 'always'); '4k' turns it off, the pages llama.cpp's cache "
                    "gets unless THP is 'always'")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, threads, reps, mem_budget_gb, pages,
-         json_out):
+def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, cache_type, threads, reps,
+         mem_budget_gb, pages, json_out):
     try:
         sizes = [int(x) for x in n_kvs.split(",")]
     except ValueError:
@@ -232,13 +236,14 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, t
         for s in seqs:
             ph = {} if phases else None
             res, L = time_layers(n, n_head, n_head_kv, D, r, k, l, threads, reps, int(mem_budget_gb * 2**30),
-                                 loki_d=loki_d or None, loki_l=loki_l, n_seq=s, phases=ph)
+                                 loki_d=loki_d or None, loki_l=loki_l, n_seq=s, phases=ph, cache_type=cache_type)
             bw_after, _ = measure_bandwidth(threads)
             bw_adj = max(bw_before, bw_after)
             td, td_min = res["dense"]
-            nbytes = {"dense": s * bytes_dense(n, D, n_head_kv), "sparq": s * bytes_sparq(n, D, n_head_kv, r, k)}
+            nbytes = {"dense": s * bytes_dense(n, D, n_head_kv, cache_type),
+                      "sparq": s * bytes_sparq(n, D, n_head_kv, r, k, cache_type)}
             if loki_d:
-                nbytes["loki"] = s * bytes_loki(n, D, n_head_kv, loki_d, k)
+                nbytes["loki"] = s * bytes_loki(n, D, n_head_kv, loki_d, k, cache_type)
             row = dict(n_kv=n, n_seq=s, layers=L, dense_s=td, dense_min_s=td_min, dense_bytes=nbytes["dense"],
                        dense_gbs=nbytes["dense"] / td / 1e9, bandwidth_before_gbs=bw_before,
                        bandwidth_after_gbs=bw_after)
@@ -262,8 +267,9 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, t
             click.echo(line + f" {nbytes['dense']/1e6:>9.1f} {row['dense_gbs']:>10.1f} {bw_before:>9.1f} / "
                        f"{bw_after:.1f}")
             for m, ns in (ph or {}).items():
-                click.echo("       " + phase_line(row, m, ns, threads, bw_adj,
-                                                  rank_bytes=s * n_head_kv * n * (r if m == "sparq" else loki_d) * 2))
+                rank = (n * r * 2 if m == "sparq"
+                        else transfer.loki_bytes(n, D, loki_d, 0, cache_type) - 2 * D * transfer.bytes_per_element(cache_type))
+                click.echo("       " + phase_line(row, m, ns, threads, bw_adj, rank_bytes=int(s * n_head_kv * rank)))
             bw_before = bw_after
     bw_end = bw_before
     for row in rows:
@@ -276,6 +282,7 @@ def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, t
     if json_out:
         doc = dict(bandwidth_gbs=bw, bandwidth_end_gbs=bw_end, bandwidth_how=how, n_head=n_head, n_head_kv=n_head_kv, D=D, r=r, k=k, l=l,
                    loki_d=loki_d, loki_l=loki_l, threads=threads, pages=pages, thp_mode=thp, cpu_model=machine.cpu_model(),
+                   cache_type=cache_type,
                    rows=rows)
         atomic_write(json_out, lambda tmp: tmp.write_text(json.dumps(doc, indent=2)), "--json")
 

@@ -32,8 +32,9 @@ def test_tiny_op_bench_writes_rows(tmp_path, monkeypatch):
     for row in doc["rows"]:
         n = row["n_kv"]
         assert row["layers"] == 2
-        # docs/spec.md's transfer formulas, f16: per kv head n*r + 2*k*D + 4*D (SparQ), 2*n*D + 2*D (dense)
-        assert row["sparq_bytes"] == 2 * 2 * (n * 8 + 2 * 32 * 128 + 4 * 128)
+        # docs/spec.md's transfer formulas in llama.cpp's types (sparq_cpp.transfer), f16: per kv head n*r + 2*k*D
+        # + 2*D elements and v_mean's 2*D in f32 (SparQ), 2*n*D + 2*D (dense)
+        assert row["sparq_bytes"] == 2 * (2 * (n * 8 + 2 * 32 * 128 + 2 * 128) + 4 * 2 * 128)
         assert row["dense_bytes"] == 2 * 2 * (2 * n * 128 + 2 * 128)
         assert row["loki_bytes"] == 2 * 2 * (n * 8 + 2 * 32 * 128 + 2 * 128)
         for m in ("sparq", "dense", "loki"):
@@ -138,3 +139,20 @@ def test_phases_need_the_counters_and_are_accounted(tmp_path, monkeypatch):
         assert p["rank_bytes"] + p["attend_bytes"] == row[f"{m}_bytes"]
         assert p["rank_ms"] > 0 and p["select_ms"] > 0 and p["attend_ms"] > 0
     assert "sparq phases: rank" in res.output
+
+
+def test_a_q8_0_cache(tmp_path, monkeypatch):
+    """--cache-type q8_0: K and V rows in q8_0 (34 bytes per 32 values), SparQ's K^T f16, Loki's prefix read in
+    whole q8_0 blocks (docs/spec.md's transfer formulas in llama.cpp's types, sparq_cpp.transfer)."""
+    monkeypatch.setattr(op_bench, "measure_bandwidth", lambda threads: (50.0, "stub"))
+    out = tmp_path / "op.json"
+    res = CliRunner().invoke(op_bench.main, ["--n-kv", "256", "--n-head", "4", "--n-head-kv", "2", "-r", "8",
+                                             "-k", "32", "-l", "8", "--loki-d", "8", "--reps", "2",
+                                             "--mem-budget-gb", "0.001", "--cache-type", "q8_0", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    row = doc["rows"][0]
+    assert doc["cache_type"] == "q8_0"
+    assert row["sparq_bytes"] == pytest.approx(2 * (256 * 8 * 2 + (2 * 32 * 128 + 2 * 128) * 34 / 32 + 2 * 128 * 4))
+    assert row["loki_bytes"] == pytest.approx(2 * (256 * 32 + 2 * 32 * 128 + 2 * 128) * 34 / 32)
+    assert row["dense_bytes"] == pytest.approx(2 * (2 * 256 * 128 + 2 * 128) * 34 / 32)
