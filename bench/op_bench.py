@@ -76,6 +76,18 @@ def bytes_loki(n, D, n_head_kv, d, k, cache_type="f16"):
     return n_head_kv * transfer.loki_bytes(n, D, d, k, cache_type)
 
 
+def _counts(text: str, what: str, example: str, option: str) -> list[int]:
+    """A comma-separated list of counts, each at least 1."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: a comma-separated list of {what}, e.g. {example}",
+                                 param_hint=option) from None
+    if any(n < 1 for n in out):
+        raise click.BadParameter(f"{text!r}: {what} must be at least 1", param_hint=option)
+    return out
+
+
 def phase_line(row: dict, m: str, ns, threads: int, bw: float, rank_bytes: int) -> str:
     """The kernel's phases of method m into row (per layer: ms of one thread's share, GB/s of what each reads:
     ranking its K^T rows or Loki's prefixes, attention the rest of the op's bytes) and the line that says them."""
@@ -190,20 +202,8 @@ def time_layers(n_kv, n_head, n_head_kv, D, r, k, l, n_threads, reps, budget, me
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def main(n_kvs, n_head, n_head_kv, D, r, k, l, loki_d, loki_l, n_seqs, phases, cache_type, threads, reps,
          mem_budget_gb, pages, json_out):
-    try:
-        sizes = [int(x) for x in n_kvs.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"{n_kvs!r}: a comma-separated list of cell counts, e.g. 1024,16384",
-                                 param_hint="--n-kv") from None
-    if any(n < 1 for n in sizes):
-        raise click.BadParameter(f"{n_kvs!r}: cell counts must be at least 1", param_hint="--n-kv")
-    try:
-        seqs = [int(x) for x in n_seqs.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"{n_seqs!r}: a comma-separated list of sequence counts, e.g. 1,4,8",
-                                 param_hint="--n-seq") from None
-    if any(s < 1 for s in seqs):
-        raise click.BadParameter(f"{n_seqs!r}: sequence counts must be at least 1", param_hint="--n-seq")
+    sizes = _counts(n_kvs, "cell counts", "1024,16384", "--n-kv")
+    seqs = _counts(n_seqs, "sequence counts", "1,4,8", "--n-seq")
     if not go.has_sparq_attn():
         raise SparqError(f"ggml_sparq_attn is missing from {go.lib_dir()}: build the patched ggml")
     if phases and go.sparse_attn_phases() is None:

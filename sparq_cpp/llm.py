@@ -99,11 +99,11 @@ def check_alisa(model_path) -> None:
                          "weights follows one full-attention cache); use SparQ or Loki")
 
 
-def check_context_memory(model_path, attention, *, n_ctx: int, type_k: str, type_v: str, flash_attn: bool,
+def check_context_memory(model_path, summary, attention, *, n_ctx: int, type_k: str, type_v: str, flash_attn: bool,
                          n_batch: int, ubatch_size: int) -> None:
     """Refuses a context whose estimate (sparq_cpp.memory: weights, caches, compute, and llama_cpp's buffer of
     a batch's logits) exceeds the memory free now, before llama.cpp allocates anything, with the numbers."""
-    shape = shape_from_gguf(model_path)
+    shape = shape_from_gguf(model_path, summary)
     est = context_estimate(shape, kind=attention.name, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
                            flash_attn=flash_attn, ubatch_size=ubatch_size, overhead=n_batch * shape.n_vocab * 4,
                            alisa_c=attention.c if isinstance(attention, ALISA) else None)
@@ -194,8 +194,8 @@ def _llama_class():
                 kwargs["flash_attn"] = True
                 # the mode the context is created for, in llama_context_params (patches/bindings)
                 kwargs["sparse_attn"] = c_params(attention, creation=True)
-            check_context_memory(model_path, attention, n_ctx=kwargs.get("n_ctx", 512) or summary.n_ctx_train,
-                                 type_k=type_k, type_v=type_v, flash_attn=bool(kwargs.get("flash_attn")),
+            check_context_memory(model_path, summary, attention,
+                                 n_ctx=kwargs.get("n_ctx", 512) or summary.n_ctx_train, type_k=type_k, type_v=type_v, flash_attn=bool(kwargs.get("flash_attn")),
                                  n_batch=kwargs.get("n_batch", 512), ubatch_size=kwargs.get("n_ubatch", 512))
             try:
                 super().__init__(model_path=str(model_path), **kwargs)

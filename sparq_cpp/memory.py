@@ -31,9 +31,9 @@ class ModelShape(ModelGeometry):
         return asdict(self) | {"head_dim": self.head_dim, "n_embd_kv": self.n_embd_kv}
 
 
-def shape_from_gguf(path) -> ModelShape:
-    """A ModelShape from a GGUF's metadata and tensor sizes."""
-    s = check_gguf(path)
+def shape_from_gguf(path, summary=None) -> ModelShape:
+    """A ModelShape from a GGUF's metadata (summary: check_gguf's, where the caller has it) and tensor sizes."""
+    s = summary or check_gguf(path)
     reader = open_gguf(path)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     rows = {t.name: int(t.shape[-1]) if len(t.shape) > 1 else 1 for t in reader.tensors}

@@ -4,7 +4,6 @@ restored, a slot saved in one mode restored in a server of another. No process d
 ok, and a cross-mode restore refused with both modes named."""
 from __future__ import annotations
 
-import os
 import time
 import urllib.error
 
@@ -18,9 +17,8 @@ if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)",
                 allow_module_level=True)
 
-from sparq_cpp.bench.server_process import ServerProcess  # noqa: E402
+from llama_server import LlamaServer  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
-from sparq_cpp.pyext.build import tool_path  # noqa: E402
 
 N_REQUESTS = 100
 WORDS = ("the house stood at the end of a long lane and every morning the family walked down to the "
@@ -42,18 +40,6 @@ def projection(model, tmp_path_factory):
 def spec(mode, projection):
     return {"sparq": "sparq:r=8,k=32,l=8", "loki": f"loki:d=16,k=32,proj={projection}",
             "alisa": "alisa:c=0.5"}[mode]
-
-
-class LlamaServer(ServerProcess):
-    def __init__(self, model, sparse, slots_dir, log_dir):
-        env = {**os.environ, "LLAMA_SPARSE_ATTN": sparse}
-        super().__init__(lambda port: [tool_path("llama-server"), "-m", model, "--port", port, "-c", 1024,
-                                       "-np", 1, "-fa", "on", "-t", 2, "--slot-save-path", slots_dir,
-                                       "--no-warmup"], env=env, log_dir=log_dir)
-
-    def complete(self, prompt, n=4):
-        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "cache_prompt": True, "id_slot": 0}
-        return self.post("/v1/completions", body)["choices"][0]["text"]
 
 
 def logged(server, text, timeout_s=10.0) -> bool:

@@ -24,9 +24,8 @@ if not sparse_api.available():
 
 from llama_session import Session  # noqa: E402
 from sparq_cpp.attention import parse_attention  # noqa: E402
-from sparq_cpp.bench.server_process import ServerProcess  # noqa: E402
+from llama_server import LlamaServer  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
-from sparq_cpp.pyext.build import tool_path  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SPARQ = "sparq:r=8,k=32,l=8"
@@ -184,34 +183,22 @@ def _kill_during_saves(model, tmp_path, n_trials):
     assert hits > 0, "no kill landed while a save was writing: the test did not test anything"
 
 
-class LlamaServer(ServerProcess):
-    def __init__(self, model, sparse, slots_dir, log_dir):
-        env = {**os.environ, "LLAMA_SPARSE_ATTN": sparse}
-        super().__init__(lambda port: [tool_path("llama-server"), "-m", model, "--port", port, "-c", 1024,
-                                       "-np", 1, "-fa", "on", "-t", 2, "--slot-save-path", slots_dir,
-                                       "--no-warmup"], env=env, log_dir=log_dir)
-
-    def complete(self, prompt, n=8):
-        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "cache_prompt": True, "id_slot": 0}
-        return self.post("/v1/completions", body)["choices"][0]["text"]
-
-
 def test_a_damaged_slot_file_gets_400_and_the_server_lives_on(model, tmp_path):
     slots = tmp_path / "slots"
     slots.mkdir()
     prompt = " ".join(["the house stood at the end of a long lane"] * 20)
     server = LlamaServer(model, SPARQ, slots, tmp_path)
     try:
-        server.complete(prompt)
+        server.complete(prompt, n=8)
         assert server.post("/slots/0?action=save", {"filename": "good.bin"})["n_saved"] > 0
-        expected = server.complete(prompt)
+        expected = server.complete(prompt, n=8)
         for name, bad in _damaged(slots / "good.bin", slots).items():
             with pytest.raises(urllib.error.HTTPError) as err:
                 server.post("/slots/0?action=restore", {"filename": bad.name})
             assert err.value.code == 400, name
             assert server.get("/health")["status"] == "ok", f"the server died restoring a file with {name}"
         assert server.post("/slots/0?action=restore", {"filename": "good.bin"})["n_restored"] > 0
-        assert server.complete(prompt) == expected
+        assert server.complete(prompt, n=8) == expected
         log = server.text()
         assert "the file is cut short" in log and "checksum does not match" in log, log[-3000:]
     finally:
