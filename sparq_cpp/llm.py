@@ -195,7 +195,8 @@ def _llama_class():
                 # the mode the context is created for, in llama_context_params (patches/bindings)
                 kwargs["sparse_attn"] = c_params(attention, creation=True)
             check_context_memory(model_path, summary, attention,
-                                 n_ctx=kwargs.get("n_ctx", 512) or summary.n_ctx_train, type_k=type_k, type_v=type_v, flash_attn=bool(kwargs.get("flash_attn")),
+                                 n_ctx=kwargs.get("n_ctx", 512) or summary.n_ctx_train, type_k=type_k, type_v=type_v,
+                                 flash_attn=bool(kwargs.get("flash_attn")),
                                  n_batch=kwargs.get("n_batch", 512), ubatch_size=kwargs.get("n_ubatch", 512))
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
