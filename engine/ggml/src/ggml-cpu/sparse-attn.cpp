@@ -7,6 +7,9 @@
 // Every loop has a plain path (any type, any instruction set) and, where it pays, one vectorised body written
 // against the small vector layer below (AVX-512, AVX2, NEON), which computes each value the same way.
 
+#define GGML_COMMON_DECL_CPP
+#include "ggml-common.h"
+
 #include "ops.h"
 
 #include "ggml-cpu.h"
@@ -35,6 +38,15 @@ static constexpr int64_t GGML_SPARSE_ATTN_ROW_GROUP = 4;    // rows of kt read t
 #define GGML_SPARSE_ATTN_PREFETCH(p)
 #define GGML_SPARSE_ATTN_PREFETCH_NT(p)
 #endif
+
+// requests every cache line of [p, p + n): a q8_0 row (34 bytes a block) may start anywhere in a line, so stepping
+// 64 bytes from p would miss its last line half the time
+static inline void ggml_sparse_attn_prefetch_bytes(const char * p, size_t n) {
+    const uintptr_t a1 = (uintptr_t) p + n;
+    for (uintptr_t a = (uintptr_t) p & ~(uintptr_t) 63; a < a1; a += 64) {
+        GGML_SPARSE_ATTN_PREFETCH((const char *) a);
+    }
+}
 
 static inline int ggml_sparse_attn_ctz(uint64_t x) {
 #if defined(__GNUC__)
@@ -65,6 +77,7 @@ static inline vec  zero()                       { return _mm512_setzero_ps(); }
 static inline vec  set1(float x)                { return _mm512_set1_ps(x); }
 static inline vec  load(const float * p)        { return _mm512_loadu_ps(p); }
 static inline vec  load(const ggml_fp16_t * p)  { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) p)); }
+static inline vec  load(const int8_t * p)       { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) p))); }
 static inline void store(float * p, vec x)      { _mm512_storeu_ps(p, x); }
 static inline vec  add(vec a, vec b)            { return _mm512_add_ps(a, b); }
 static inline vec  sub(vec a, vec b)            { return _mm512_sub_ps(a, b); }
@@ -145,6 +158,7 @@ static inline vec  zero()                       { return _mm256_setzero_ps(); }
 static inline vec  set1(float x)                { return _mm256_set1_ps(x); }
 static inline vec  load(const float * p)        { return _mm256_loadu_ps(p); }
 static inline vec  load(const ggml_fp16_t * p)  { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)); }
+static inline vec  load(const int8_t * p)       { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) p))); }
 static inline void store(float * p, vec x)      { _mm256_storeu_ps(p, x); }
 static inline vec  add(vec a, vec b)            { return _mm256_add_ps(a, b); }
 static inline vec  sub(vec a, vec b)            { return _mm256_sub_ps(a, b); }
@@ -211,6 +225,11 @@ static inline vec  zero()                       { return vdupq_n_f32(0.0f); }
 static inline vec  set1(float x)                { return vdupq_n_f32(x); }
 static inline vec  load(const float * p)        { return vld1q_f32(p); }
 static inline vec  load(const ggml_fp16_t * p)  { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *) p))); }
+static inline vec  load(const int8_t * p) {
+    int32_t x;
+    memcpy(&x, p, sizeof(x)); // 4 bytes: the last lanes of a block end where the block does
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(x))))));
+}
 static inline void store(float * p, vec x)      { vst1q_f32(p, x); }
 static inline vec  add(vec a, vec b)            { return vaddq_f32(a, b); }
 static inline vec  sub(vec a, vec b)            { return vsubq_f32(a, b); }
@@ -261,6 +280,29 @@ static inline vec sum_each(const vec y[W]) {
 #endif
 
 } // namespace ggml_sparse_attn_simd
+
+#if defined(GGML_SPARSE_ATTN_SIMD)
+// the K and V row types the vector paths read: W elements of a row from element e (a multiple of W) in F32, and the
+// bytes of a row's first n elements. q8_0 gives the values of dequantize_row_q8_0 (scale times int8, exact in F32),
+// so every result is the plain path's; W divides QK8_0, a vector never straddles two blocks.
+struct ggml_sparse_attn_f16_rows {
+    static inline ggml_sparse_attn_simd::vec at(const char * row, int64_t e) {
+        return ggml_sparse_attn_simd::load((const ggml_fp16_t *) row + e);
+    }
+    static constexpr size_t bytes(int64_t n) { return n*sizeof(ggml_fp16_t); }
+};
+
+struct ggml_sparse_attn_q8_0_rows {
+    static inline ggml_sparse_attn_simd::vec at(const char * row, int64_t e) {
+        using namespace ggml_sparse_attn_simd;
+        const block_q8_0 * b = (const block_q8_0 *) row + e/QK8_0;
+        return mul(load(b->qs + e%QK8_0), set1(GGML_CPU_FP16_TO_FP32(b->d)));
+    }
+    static constexpr size_t bytes(int64_t n) { return (n + QK8_0 - 1)/QK8_0*sizeof(block_q8_0); }
+};
+
+static_assert(QK8_0 % ggml_sparse_attn_simd::W == 0, "a vector of q8_0 values within one block");
+#endif
 
 //
 // scratch
@@ -1114,19 +1156,19 @@ static void ggml_sparse_attn_prepare_loki(const ggml_sparse_attn_ctx & ctx, int 
 }
 
 #if defined(GGML_SPARSE_ATTN_SIMD)
-// Loki, f16 K rows, d = W*NB: the scores of up to W query heads for one cell, lane t = query head t of the group;
-// k_row + koff[t] is the row part of query head t's kv head, q their scaled queries (d floats each). The W dot
-// products are reduced together: one horizontal sum each would dominate the loop.
-template <int NB>
+// Loki, f16 or q8_0 K rows (R), d = W*NB: the scores of up to W query heads for one cell, lane t = query head t of
+// the group; k_row + koff[t] is the row part of query head t's kv head, q their scaled queries (d floats each). The
+// W dot products are reduced together: one horizontal sum each would dominate the loop.
+template <int NB, typename R>
 static inline ggml_sparse_attn_simd::vec ggml_sparse_attn_loki_heads(const char * k_row, const size_t * koff, const float * q, int n) {
     using namespace ggml_sparse_attn_simd;
 
     auto dot = [&](int t) {
-        const ggml_fp16_t * x  = (const ggml_fp16_t *) (k_row + koff[t]);
-        const float       * qt = q + t*W*NB;
-        vec acc = mul(load(x), load(qt));
+        const char  * x  = k_row + koff[t];
+        const float * qt = q + t*W*NB;
+        vec acc = mul(R::at(x, 0), load(qt));
         for (int b = 1; b < NB; ++b) {
-            acc = fma(load(x + W*b), load(qt + W*b), acc);
+            acc = fma(R::at(x, W*b), load(qt + W*b), acc);
         }
         return acc;
     };
@@ -1149,14 +1191,14 @@ static inline ggml_sparse_attn_simd::vec ggml_sparse_attn_loki_heads(const char 
 // Stored cell by cell (a scatter), every score went to another line, n_kv floats apart: when n_kv is a multiple
 // of 1024 the lines being filled share an L1 set (at multiples of 8k an L2 set too), evicted each other, and
 // held up the loop more than the K reads.
-template <int NB>
+template <int NB, typename R>
 static void ggml_sparse_attn_loki_cells(const char * k_data, size_t nb1, size_t nb2, int64_t i, int64_t i1, const size_t * koff, const float * qr,
         int64_t n_head, int64_t n_head_kv, int64_t n_kv, float * e0, ggml_sparse_attn_simd::vec * vmax) {
     using namespace ggml_sparse_attn_simd;
 
     // the hardware prefetcher does not follow d elements every DK: request the rows a few cells ahead
     static constexpr int64_t ahead = 3;
-    static constexpr size_t  d_bytes = NB*W*sizeof(ggml_fp16_t);
+    static constexpr size_t  d_bytes = R::bytes(NB*W);
 
     alignas(64) float tile[128/W][W][W];
 
@@ -1167,14 +1209,12 @@ static void ggml_sparse_attn_loki_cells(const char * k_data, size_t nb1, size_t 
             const char * k_row = k_data + ic*nb1;
             if (ic + ahead < i1) {
                 for (int64_t h = 0; h < n_head_kv; ++h) {
-                    for (size_t o = 0; o < d_bytes; o += 64) {
-                        GGML_SPARSE_ATTN_PREFETCH(k_row + ahead*nb1 + h*nb2 + o);
-                    }
+                    ggml_sparse_attn_prefetch_bytes(k_row + ahead*nb1 + h*nb2, d_bytes);
                 }
             }
             for (int64_t hq0 = 0, G = 0; hq0 < n_head; hq0 += W, ++G) {
                 const int n  = (int) std::min<int64_t>(W, n_head - hq0);
-                const vec sv = ggml_sparse_attn_loki_heads<NB>(k_row, koff + hq0, qr + hq0*W*NB, n);
+                const vec sv = ggml_sparse_attn_loki_heads<NB, R>(k_row, koff + hq0, qr + hq0*W*NB, n);
                 store(tile[G][c], sv);
                 vmax[G] = max(vmax[G], sv);
             }
@@ -1194,6 +1234,22 @@ static void ggml_sparse_attn_loki_cells(const char * k_data, size_t nb1, size_t 
                 }
             }
         }
+    }
+}
+
+template <typename R>
+static void ggml_sparse_attn_loki_run(int64_t d, const char * k_data, size_t nb1, size_t nb2, int64_t i, int64_t i1, const size_t * koff,
+        const float * qr, int64_t n_head, int64_t n_head_kv, int64_t n_kv, float * e0, ggml_sparse_attn_simd::vec * vmax) {
+    switch (d/ggml_sparse_attn_simd::W) {
+        case 1: ggml_sparse_attn_loki_cells<1, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 2: ggml_sparse_attn_loki_cells<2, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 3: ggml_sparse_attn_loki_cells<3, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 4: ggml_sparse_attn_loki_cells<4, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 5: ggml_sparse_attn_loki_cells<5, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 6: ggml_sparse_attn_loki_cells<6, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 7: ggml_sparse_attn_loki_cells<7, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        case 8: ggml_sparse_attn_loki_cells<8, R>(k_data, nb1, nb2, i, i1, koff, qr, n_head, n_head_kv, n_kv, e0, vmax); break;
+        default: GGML_ABORT("fatal error");
     }
 }
 #endif
@@ -1218,9 +1274,9 @@ static void ggml_sparse_attn_rank_loki(const ggml_sparse_attn_ctx & ctx, int ith
 #if defined(GGML_SPARSE_ATTN_SIMD)
     using namespace ggml_sparse_attn_simd;
 
-    // f16 rows, d a multiple of W: per cell, the scores of W query heads at a time
+    // f16 or q8_0 rows, d a multiple of W: per cell, the scores of W query heads at a time
     const int64_t n_grp  = (ctx.n_head + W - 1)/W;
-    const bool    vector = k->type == GGML_TYPE_F16 && d % W == 0 && d <= 8*W && n_grp*W <= 128 && ctx.n_head*ctx.n_kv <= INT32_MAX;
+    const bool    vector = (k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_Q8_0) && d % W == 0 && d <= 8*W && n_grp*W <= 128 && ctx.n_head*ctx.n_kv <= INT32_MAX;
     if (vector) {
         // byte offset of the K row part of each query head's kv head (no division in the cell loop)
         size_t koff[128];
@@ -1236,16 +1292,10 @@ static void ggml_sparse_attn_rank_loki(const ggml_sparse_attn_ctx & ctx, int ith
         for (int32_t ir = 0; ir < n_runs; ++ir) {
             const int64_t i  = runs[2*ir + 0];
             const int64_t i1 = runs[2*ir + 1];
-            switch (d/W) {
-                case 1: ggml_sparse_attn_loki_cells<1>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 2: ggml_sparse_attn_loki_cells<2>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 3: ggml_sparse_attn_loki_cells<3>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 4: ggml_sparse_attn_loki_cells<4>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 5: ggml_sparse_attn_loki_cells<5>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 6: ggml_sparse_attn_loki_cells<6>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 7: ggml_sparse_attn_loki_cells<7>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                case 8: ggml_sparse_attn_loki_cells<8>(k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax); break;
-                default: GGML_ABORT("fatal error");
+            if (k->type == GGML_TYPE_F16) {
+                ggml_sparse_attn_loki_run<ggml_sparse_attn_f16_rows>(d, k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax);
+            } else {
+                ggml_sparse_attn_loki_run<ggml_sparse_attn_q8_0_rows>(d, k_data, k->nb[1], k->nb[2], i, i1, koff, qr, ctx.n_head, ctx.n_head_kv, ctx.n_kv, e0, vmax);
             }
         }
         for (int64_t G = 0; G < n_grp; ++G) {
@@ -1691,20 +1741,21 @@ static bool ggml_sparse_attn_select(const ggml_sparse_attn_ctx & ctx, int ith, i
     return true;
 }
 
-// the exact attention's f16 K and V rows, converted in registers instead of through a buffer: x . y and
-// y += sum_i w[i]*x_i for n a multiple of GGML_SPARSE_ATTN_F16_BLOCK, with the operations of ggml_vec_dot_f32 and
+// the exact attention's f16 and q8_0 K and V rows (R), converted in registers instead of through a buffer: x . y and
+// y += sum_i w[i]*x_i for n a multiple of GGML_SPARSE_ATTN_ROW_BLOCK, with the operations of ggml_vec_dot_f32 and
 // ggml_vec_mad_f32 (4 accumulators, the same reduction; one multiply-add per element and row, rows in order), so
 // the results are the same. The sum over the rows keeps a block of y in registers for all rows: row by row, y
 // went through memory, a store and a load of it per row, and each row's multiply-adds waited for the last row's.
 #if defined(GGML_SPARSE_ATTN_SIMD)
-#define GGML_SPARSE_ATTN_F16_BLOCK (4*ggml_sparse_attn_simd::W)
+#define GGML_SPARSE_ATTN_ROW_BLOCK (4*ggml_sparse_attn_simd::W)
 
-static inline float ggml_sparse_attn_dot_f16(int64_t n, const float * x, const ggml_fp16_t * y) {
+template <typename R>
+static inline float ggml_sparse_attn_dot_rows(int64_t n, const float * x, const char * y) {
     using namespace ggml_sparse_attn_simd;
     vec s[4] = { zero(), zero(), zero(), zero() };
     for (int64_t i = 0; i < n; i += 4*W) {
         for (int j = 0; j < 4; ++j) {
-            s[j] = fma(load(x + i + W*j), load(y + i + W*j), s[j]);
+            s[j] = fma(load(x + i + W*j), R::at(y, i + W*j), s[j]);
         }
     }
     s[0] = add(s[0], s[2]);
@@ -1714,18 +1765,18 @@ static inline float ggml_sparse_attn_dot_f16(int64_t n, const float * x, const g
 }
 
 // rows x + sel[i]*nb1, elements [i0, i0 + W*NV) of them
-template <int NV>
-static inline void ggml_sparse_attn_mad_rows_f16_block(int64_t i0, float * y, const char * x, size_t nb1, const int32_t * sel, int64_t n_rows, const float * w) {
+template <int NV, typename R>
+static inline void ggml_sparse_attn_mad_rows_block(int64_t i0, float * y, const char * x, size_t nb1, const int32_t * sel, int64_t n_rows, const float * w) {
     using namespace ggml_sparse_attn_simd;
     vec acc[NV];
     for (int u = 0; u < NV; ++u) {
         acc[u] = load(y + i0 + W*u);
     }
     for (int64_t i = 0; i < n_rows; ++i) {
-        const ggml_fp16_t * xi = (const ggml_fp16_t *) (x + sel[i]*nb1) + i0;
+        const char * xi = x + sel[i]*nb1;
         const vec vw = set1(w[i]);
         for (int u = 0; u < NV; ++u) {
-            acc[u] = fma(load(xi + W*u), vw, acc[u]);
+            acc[u] = fma(R::at(xi, i0 + W*u), vw, acc[u]);
         }
     }
     for (int u = 0; u < NV; ++u) {
@@ -1733,14 +1784,15 @@ static inline void ggml_sparse_attn_mad_rows_f16_block(int64_t i0, float * y, co
     }
 }
 
-static void ggml_sparse_attn_mad_rows_f16(int64_t n, float * y, const char * x, size_t nb1, const int32_t * sel, int64_t n_rows, const float * w) {
+template <typename R>
+static void ggml_sparse_attn_mad_rows(int64_t n, float * y, const char * x, size_t nb1, const int32_t * sel, int64_t n_rows, const float * w) {
     using namespace ggml_sparse_attn_simd;
     int64_t i0 = 0;
     for (; i0 + 8*W <= n; i0 += 8*W) {
-        ggml_sparse_attn_mad_rows_f16_block<8>(i0, y, x, nb1, sel, n_rows, w);
+        ggml_sparse_attn_mad_rows_block<8, R>(i0, y, x, nb1, sel, n_rows, w);
     }
     if (i0 < n) {
-        ggml_sparse_attn_mad_rows_f16_block<4>(i0, y, x, nb1, sel, n_rows, w);
+        ggml_sparse_attn_mad_rows_block<4, R>(i0, y, x, nb1, sel, n_rows, w);
     }
 }
 #endif
@@ -1751,14 +1803,10 @@ static void ggml_sparse_attn_prefetch_rows(const ggml_sparse_attn_ctx & ctx, int
     const size_t k_bytes = ggml_row_size(ctx.k->type, ctx.DK);
     const size_t v_bytes = ggml_row_size(ctx.v->type, ctx.DV);
     for (int64_t i = 0; i < n_sel; ++i) {
-        for (size_t o = 0; o < k_bytes; o += 64) {
-            GGML_SPARSE_ATTN_PREFETCH(ctx.k_row(sel[i], h, iq3) + o);
-        }
+        ggml_sparse_attn_prefetch_bytes(ctx.k_row(sel[i], h, iq3), k_bytes);
     }
     for (int64_t i = 0; i < n_sel; ++i) {
-        for (size_t o = 0; o < v_bytes; o += 64) {
-            GGML_SPARSE_ATTN_PREFETCH(ctx.v_row(sel[i], h, iq3) + o);
-        }
+        ggml_sparse_attn_prefetch_bytes(ctx.v_row(sel[i], h, iq3), v_bytes);
     }
 }
 
@@ -1774,36 +1822,34 @@ static void ggml_sparse_attn_attend(const ggml_sparse_attn_ctx & ctx, int ith, i
     const size_t k_bytes = ggml_row_size(ctx.k->type, DK);
     const size_t v_bytes = ggml_row_size(ctx.v->type, DV);
     for (int64_t i = 0; i < std::min<int64_t>(n_sel, 8); ++i) {
-        for (size_t o = 0; o < k_bytes; o += 64) {
-            GGML_SPARSE_ATTN_PREFETCH(ctx.k_row(sel[i], h, iq3) + o);
-        }
+        ggml_sparse_attn_prefetch_bytes(ctx.k_row(sel[i], h, iq3), k_bytes);
     }
 
     float * kq  = ctx.local<float>(ith, ctx.l.weights);
     float * row = ctx.local<float>(ith, ctx.l.row);
     float * y   = ctx.local<float>(ith, ctx.l.out);
 
-#if defined(GGML_SPARSE_ATTN_F16_BLOCK)
-    const bool k_f16 = ctx.k->type == GGML_TYPE_F16 && DK % GGML_SPARSE_ATTN_F16_BLOCK == 0;
-    const bool v_f16 = ctx.v->type == GGML_TYPE_F16 && DV % GGML_SPARSE_ATTN_F16_BLOCK == 0;
+#if defined(GGML_SPARSE_ATTN_ROW_BLOCK)
+    const bool k_vec = (ctx.k->type == GGML_TYPE_F16 || ctx.k->type == GGML_TYPE_Q8_0) && DK % GGML_SPARSE_ATTN_ROW_BLOCK == 0;
+    const bool v_vec = (ctx.v->type == GGML_TYPE_F16 || ctx.v->type == GGML_TYPE_Q8_0) && DV % GGML_SPARSE_ATTN_ROW_BLOCK == 0;
 #else
-    const bool k_f16 = false;
-    const bool v_f16 = false;
+    const bool k_vec = false;
+    const bool v_vec = false;
 #endif
 
     for (int64_t i = 0; i < n_sel; ++i) {
         if (i + 8 < n_sel) {
-            for (size_t o = 0; o < k_bytes; o += 64) {
-                GGML_SPARSE_ATTN_PREFETCH(ctx.k_row(sel[i + 8], h, iq3) + o);
-            }
+            ggml_sparse_attn_prefetch_bytes(ctx.k_row(sel[i + 8], h, iq3), k_bytes);
         }
-        for (size_t o = 0; o < v_bytes; o += 64) {
-            GGML_SPARSE_ATTN_PREFETCH(ctx.v_row(sel[i], h, iq3) + o);
-        }
-#if defined(GGML_SPARSE_ATTN_F16_BLOCK)
-        if (k_f16) {
+        ggml_sparse_attn_prefetch_bytes(ctx.v_row(sel[i], h, iq3), v_bytes);
+#if defined(GGML_SPARSE_ATTN_ROW_BLOCK)
+        if (k_vec) {
+            const char * k_row = ctx.k_row(sel[i], h, iq3);
             for (int64_t j = 0; j < g; ++j) {
-                kq[j*n_sel + i] = ggml_sparse_attn_dot_f16(DK, ctx.q_row(iq1, h*g + j, iq3), (const ggml_fp16_t *) ctx.k_row(sel[i], h, iq3))*ctx.scale;
+                const float * q = ctx.q_row(iq1, h*g + j, iq3);
+                const float   s = ctx.k->type == GGML_TYPE_F16 ? ggml_sparse_attn_dot_rows<ggml_sparse_attn_f16_rows>(DK, q, k_row)
+                                                               : ggml_sparse_attn_dot_rows<ggml_sparse_attn_q8_0_rows>(DK, q, k_row);
+                kq[j*n_sel + i] = s*ctx.scale;
             }
             continue;
         }
@@ -1815,7 +1861,7 @@ static void ggml_sparse_attn_attend(const ggml_sparse_attn_ctx & ctx, int ith, i
             kq[j*n_sel + i] = sk*ctx.scale;
         }
     }
-    GGML_UNUSED(k_f16);
+    GGML_UNUSED(k_vec);
 
     for (int64_t j = 0; j < g; ++j) {
         float M;
@@ -1825,11 +1871,15 @@ static void ggml_sparse_attn_attend(const ggml_sparse_attn_ctx & ctx, int ith, i
     }
 
     memset(y, 0, g*DV*sizeof(float));
-    if (v_f16) {
-#if defined(GGML_SPARSE_ATTN_F16_BLOCK)
+    if (v_vec) {
+#if defined(GGML_SPARSE_ATTN_ROW_BLOCK)
         const char * v = (const char *) ctx.v->data + h*ctx.v->nb[2] + iq3*ctx.v->nb[3];
         for (int64_t j = 0; j < g; ++j) {
-            ggml_sparse_attn_mad_rows_f16(DV, y + j*DV, v, ctx.v->nb[1], sel, n_sel, kq + j*n_sel);
+            if (ctx.v->type == GGML_TYPE_F16) {
+                ggml_sparse_attn_mad_rows<ggml_sparse_attn_f16_rows>(DV, y + j*DV, v, ctx.v->nb[1], sel, n_sel, kq + j*n_sel);
+            } else {
+                ggml_sparse_attn_mad_rows<ggml_sparse_attn_q8_0_rows>(DV, y + j*DV, v, ctx.v->nb[1], sel, n_sel, kq + j*n_sel);
+            }
         }
 #endif
     } else {
@@ -2069,6 +2119,8 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
                 bool selected;
                 GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_SELECT, selected = ggml_sparse_attn_select(ctx, ith, iq1, iq3, h, mp, pp, sel, &n_sel, alpha));
                 if (selected) {
+                    // nothing to overlap the gather with here: all of its requests at once
+                    ggml_sparse_attn_prefetch_rows(ctx, iq3, h, sel, n_sel);
                     GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_ATTEND, ggml_sparse_attn_attend(ctx, ith, iq1, iq3, h, sel, n_sel, alpha));
                 }
             }
