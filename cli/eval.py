@@ -133,11 +133,6 @@ def command(model, task_list, data, domain_items, methods, ratios, samples, cont
                     ("--max-new", max_new), ("--copy-words", copy_words)):
         if v < 1:
             raise SparqError(f"{name} must be >= 1, got {v}")
-    for name, v in (("--sparq-r", r), ("--loki-d", d)):
-        if v is not None and v < 1:
-            raise SparqError(f"{name} must be >= 1, got {v}")
-    if sink is not None and sink < 0:
-        raise SparqError(f"--sparse-sink must be >= 0, got {sink}")
     type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v, names=CACHE_OPTION_NAMES)
     if type_k != type_v:
         raise SparqError(f"eval runs one cache type for K and V (the reference's and the transfer model's), not "

@@ -163,24 +163,24 @@ ATTENTION_OPTIONS = {
         help="auto: refuse a choice whose calibration probe lost more than this share of dense's bits per "
              "character on any domain, e.g. 0.03 or 3% [no bound].")],
     "--sparq-r": [_option(
-        "--sparq-r", "r", type=int, default=None,
+        "--sparq-r", "r", type=click.IntRange(min=1), default=None,
         help="SparQ: query components used to rank positions, 1..head size [16; eval: swept with --ratios]."),
-        _old("--r", "r", "--sparq-r", type=int)],
+        _old("--r", "r", "--sparq-r", type=click.IntRange(min=1))],
     "--loki-d": [_option(
-        "--loki-d", "d", type=int, default=None,
+        "--loki-d", "d", type=click.IntRange(min=1), default=None,
         help="Loki: principal components used to rank positions, 1..head size [32; eval: swept with --ratios]."),
-        _old("--d", "d", "--loki-d", type=int)],
+        _old("--d", "d", "--loki-d", type=click.IntRange(min=1))],
     "--sparse-k": [_option(
         "--sparse-k", "k", type=int, default=None, help="SparQ/Loki: positions attended per step, >= 1 [128]."),
         _old("--k", "k", "--sparse-k", type=int)],
     "--sparse-l": [_option(
-        "--sparse-l", "l", type=int, default=None,
+        "--sparse-l", "l", type=click.IntRange(min=0), default=None,
         help="SparQ/Loki: most recent positions always kept, 0..k [SparQ k/4, Loki 0]."),
-        _old("--l", "l", "--sparse-l", type=int)],
+        _old("--l", "l", "--sparse-l", type=click.IntRange(min=0))],
     "--sparse-sink": [_option(
-        "--sparse-sink", "sink", type=int, default=None,
+        "--sparse-sink", "sink", type=click.IntRange(min=0), default=None,
         help="SparQ/Loki: positions below this (the first tokens, an attention sink) always kept, 0..k - l [0]."),
-        _old("--sink", "sink", "--sparse-sink", type=int)],
+        _old("--sink", "sink", "--sparse-sink", type=click.IntRange(min=0))],
     "--mean-value": [_option(
         "--mean-value/--no-mean-value", "mean_value", default=None,
         help="SparQ: mean-value reallocation [on; eval: off for GQA models (Llama 3, Mistral), as in the paper].")],

@@ -153,7 +153,9 @@ def cache_types(cache_type=None, type_k=None, type_v=None, *, names=CACHE_ARGUME
     for what, value in ((k_name, type_k), (v_name, type_v)):
         name = None if value is None else _cache_type_name(value, what)
         if both is not None and name is not None and name != both:
-            raise SparqError(f"{what}={value!r} contradicts {both_name}={cache_type!r}; pass one of them")
+            given = (f"{what} {value} contradicts {both_name} {cache_type}" if what.startswith("-") else
+                     f"{what}={value!r} contradicts {both_name}={cache_type!r}")  # an option, or an argument
+            raise SparqError(f"{given}; give one of them")
         out.append(name or both or "f16")
     return out[0], out[1]
 

@@ -4,6 +4,8 @@ with the same name, default and help text; the old names still work, hidden, wit
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import click
 import pytest
@@ -90,7 +92,7 @@ def test_one_cache_type_table():
     group = options.ATTENTION_OPTIONS["--cache-type"][0](lambda **kw: None).__click_params__[0]
     assert list(group.type.choices) == list(CACHE_TYPES)
     assert cache_types(None, "q8_0", None) == ("q8_0", "f16")
-    with pytest.raises(SparqError, match="-ctk='q8_0' contradicts --cache-type='f16'"):
+    with pytest.raises(SparqError, match="-ctk q8_0 contradicts --cache-type f16"):
         cache_types("f16", "q8_0", None, names=options.CACHE_OPTION_NAMES)
 
 
@@ -131,3 +133,17 @@ def test_sparse_attn_is_the_whole_setting():
     assert attention_from_options(mean_value=False) == SparQ(mean_value=False)
     assert attention_from_options("loki", loki_variant="pre").variant == "pre"
     assert isinstance(attention_from_options(d=8), Loki)
+
+
+def test_llama_is_a_plain_class_imported_on_first_use():
+    """`import sparq_cpp` and the commands' --help load no libllama; sparq_cpp.Llama is then the class itself,
+    declared in sparq_cpp/llama.py (static tools read it there)."""
+    code = ("import sys, sparq_cpp, sparq_cpp.cli.main, sparq_cpp.llm; "
+            "assert 'llama_cpp' not in sys.modules and 'sparq_cpp.llama' not in sys.modules; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    pytest.importorskip("llama_cpp")
+    import sparq_cpp
+    from sparq_cpp import llama, llm
+
+    assert sparq_cpp.Llama is llama.Llama is llm.Llama and llama.Llama.__module__ == "sparq_cpp.llama"
