@@ -9,7 +9,7 @@ import click
 
 from sparq_cpp import lazy
 from sparq_cpp.cli.options import (CACHE_OPTION_NAMES, THREADS_HELP, Command, attention_options, model_option,
-                                   progress_enabled, progress_option, resolve_model, threads_type)
+                                   progress_enabled, progress_option, projection_beside, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.llm import cache_types
 from sparq_cpp.evaluation import results, tasks
@@ -154,8 +154,11 @@ def command(model, task_list, data, domain_items, methods, ratios, samples, cont
     if plot_path:
         lazy.need("matplotlib", "--plot")
     gguf = resolve_model(model)
+    method_specs = parse_methods(methods)
+    if loki_pca is None and any(spec.method == "loki" for spec in method_specs):
+        loki_pca = projection_beside(gguf)  # as generate and serve: else the projection embedded in the model
     cfg = EvalConfig(
-        model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
+        model_path=Path(gguf), tasks=task_names, methods=method_specs, ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
         data={**_data(data), **domain_data}, cache_type=type_k, threads=threads, sparq_r=r, sparq_local=local_share,

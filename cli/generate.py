@@ -20,11 +20,11 @@ from sparq_cpp.auto import known_poor
 from sparq_cpp.bindings.cpu_backend import gpu_device_count
 from sparq_cpp.bench.machine import CpuMonitor
 from sparq_cpp.cli.options import (CACHE_OPTION_NAMES, THREADS_HELP, Command, FiniteFloatRange, attention_options,
-                                   flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
+                                   flash_attn_for, flash_attn_option, model_option, projection_beside, resolve_model,
+                                   threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf
 from sparq_cpp.llm import cache_types, open_model
-from sparq_cpp.projection import default_projection
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
 BUSY_SHARE = 0.25  # of the machine's CPU time used by other processes: the footer's speeds are then not the model's
@@ -82,7 +82,7 @@ def attention_from_options(attn=None, *, sparse_attn=None, r=None, d=None, k=Non
                 and not Path(attention.projection).is_file():
             raise SparqError(f"--sparse-attn: proj: file not found: {attention.projection}")
         if isinstance(attention, Loki) and attention.projection is None:
-            attention = dataclasses.replace(attention, projection=_projection_beside(model))
+            attention = dataclasses.replace(attention, projection=projection_beside(model))
         return attention
     if attn == "auto":
         given = [flag for name, flag in _SETTINGS if values[name] is not None and name != "loki_pca"]
@@ -126,20 +126,9 @@ def attention_from_options(attn=None, *, sparse_attn=None, r=None, d=None, k=Non
         if loki_pca is not None and not Path(loki_pca).is_file():
             raise SparqError(f"--loki-pca: file not found: {loki_pca}")
         return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
-                    projection=loki_pca if loki_pca is not None else _projection_beside(model),
+                    projection=loki_pca if loki_pca is not None else projection_beside(model),
                     variant=loki_variant or "post", sink=0 if sink is None else sink)
     return Dense()
-
-
-def _projection_beside(model: Path | None) -> str | None:
-    """`<model stem>.loki.gguf` next to the model when there is one (said on stderr), else None."""
-    if model is None:
-        return None
-    beside = default_projection(model)
-    if not beside.is_file():
-        return None
-    click.echo(f"loki    projection {beside} (next to the model; --loki-pca picks another)", err=True)
-    return str(beside)
 
 
 def _max_loss(text: str) -> float:

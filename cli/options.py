@@ -18,6 +18,7 @@ from sparq_cpp.attention import Dense
 from sparq_cpp.demo_model import default_model
 from sparq_cpp.errors import SparqError
 from sparq_cpp.llm import CACHE_TYPES, max_threads
+from sparq_cpp.projection import default_projection
 from sparq_cpp.real_models import MODELS, fetch
 
 
@@ -64,6 +65,18 @@ def resolve_model(model, log=lambda msg: click.echo(msg, err=True)) -> Path:
     if model in MODELS and not Path(model).exists():
         return Path(fetch(model, log=log))
     return Path(model)
+
+
+def projection_beside(model: Path | None) -> str | None:
+    """Loki's default projection: `<model stem>.loki.gguf` next to the model when there is one (what `sparq-cpp
+    calibrate` writes; said on stderr), else None (the projection embedded in the model)."""
+    if model is None:
+        return None
+    beside = default_projection(Path(model))
+    if not beside.is_file():
+        return None
+    click.echo(f"loki    projection {beside} (next to the model; --loki-pca picks another)", err=True)
+    return str(beside)
 
 
 def flash_attn_option(command):
