@@ -11,7 +11,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from sparq_cpp.cli import options
+from sparq_cpp.bench.e2e_config import BenchConfig, validate
+from sparq_cpp.cli import bench, options
 from sparq_cpp.cli.generate import attention_from_options
 from sparq_cpp.cli.main import cli
 from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ
@@ -147,3 +148,25 @@ def test_llama_is_a_plain_class_imported_on_first_use():
     from sparq_cpp import llama, llm
 
     assert sparq_cpp.Llama is llama.Llama is llm.Llama and llama.Llama.__module__ == "sparq_cpp.llama"
+
+
+@pytest.mark.parametrize("args, sparq_l, loki_l", [
+    ([], None, 0),                                  # SparQ k/4 (BenchConfig resolves None), Loki 0: as generate's
+    (["--sparse-k", "64", "--sparse-l", "8"], 8, 8),  # --sparse-l is SparQ's and Loki's, as in generate
+    (["--l", "8"], 8, 0),                           # the old --l was SparQ's alone, and still is
+    (["--loki-l", "4"], None, 4),                   # the old --loki-l, Loki's alone
+    (["--sparse-l", "8", "--loki-l", "4"], 8, 4),
+])
+def test_bench_takes_the_group_with_its_old_meanings(monkeypatch, args, sparq_l, loki_l):
+    seen = []
+
+    def fake_run(cfg, log):
+        seen.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    result = CliRunner().invoke(cli, ["bench", *args], prog_name="sparq-cpp")
+    assert result.exit_code == 0, result.output
+    (cfg,) = seen
+    assert (cfg.l, cfg.loki_l, cfg.r, cfg.d, cfg.sink, cfg.mean_value) == (sparq_l, loki_l, 16, 32, 0, True)
+    assert BenchConfig().l is None and validate(BenchConfig(k=64, modes=["dense-fa"])).l == 16
