@@ -52,7 +52,7 @@ _CHECKED = {
     "-ctk": "-ctk", "--cache-type-k": "-ctk", "-ctv": "-ctv", "--cache-type-v": "-ctv",
     "-fa": "-fa", "--flash-attn": "-fa", "-t": "-t", "--threads": "-t",
     "--host": "--host", "--port": "--port",
-    "--sparse-attn": "--attn and its settings",  # llama.cpp's own spelling of LLAMA_SPARSE_ATTN
+    "--sparse-attn": "--sparse-attn",  # serve takes it too (or --attn and its settings)
     "--cors-origins": "--cors",
 }
 
