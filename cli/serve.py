@@ -189,10 +189,9 @@ def check_server_numbers(port: int, ctx_size, parallel: int) -> None:
 def server_command(opening, *, host, port, ctx_size, parallel, threads, flash_attn="auto", extra=(),
                    cors=None) -> tuple:
     """(argv, environment) that start llama-server for `opening` (sparq_cpp.llm.prepare's: the model and the
-    setting checked, as sparq_cpp.Llama checks them, and not again here), with the checks of the server's own
-    settings and of the options after `--`; the CORS origins as cors_args chooses them."""
-    check_forwarded(extra)
-    check_server_numbers(port, ctx_size, parallel)
+    setting checked, as sparq_cpp.Llama checks them) with the server's settings (check_server_numbers'd) and the
+    options after `--` (check_forwarded'd); what only the pair refuses is checked here: ALISA with more than one
+    slot, -fa off with a sparse mode. The CORS origins as cors_args chooses them."""
     attention = opening.attention
     if isinstance(attention, ALISA) and parallel != 1:
         raise SparqError(f"ALISA keeps one window of past weights, so one sequence: --parallel must be 1, got {parallel}")
