@@ -20,7 +20,7 @@ build: $(VENV)/.deps
 	$(PY) -m sparq_cpp.pyext.build $(BUILD_ARGS)
 
 demo: setup
-	$(VENV)/bin/sparq-cpp generate -n 96 --r 16 --k 16
+	$(VENV)/bin/sparq-cpp generate -n 96 --sparq-r 16 --sparse-k 16
 
 # pytest exits 5 when it collected nothing: that is a broken test run here, not a pass.
 # tools/test-prereqs.sh installs what the aarch64 checks need where it can (root and apt-get), else says so.

@@ -57,7 +57,7 @@ class BenchConfig:
     layers: int | None = None
     r: int = 16
     k: int = 128
-    l: int = 32
+    l: int | None = None  # SparQ's; None: k // 4, as everywhere
     d: int = 32
     loki_l: int = 0
     sink: int = 0         # SparQ's and Loki's first positions always kept
@@ -129,6 +129,14 @@ def fmt_depth(s: int) -> str:
     return f"{s // 1024}k" if s % 1024 == 0 else str(s)
 
 
+# the settings named as the command spells them (the attention group's options, cli.options)
+_OPTIONS = {"r": "--sparq-r", "k": "--sparse-k", "d": "--loki-d"}
+
+
+def _option(name: str) -> str:
+    return _OPTIONS.get(name, "--" + name.replace("_", "-"))
+
+
 def validate(cfg: BenchConfig) -> BenchConfig:
     """Check everything that needs no model: numbers, modes, the build, output paths."""
     cfg = replace(cfg, depths=parse_depths(cfg.depths), modes=parse_modes(cfg.modes))
@@ -136,16 +144,18 @@ def validate(cfg: BenchConfig) -> BenchConfig:
         raise SparqError(f"--fill: unknown {cfg.fill!r} (choose from {', '.join(FILLS)})")
     for name in ("repeats", "rounds", "r", "k", "d", "prefill_batch", "block"):
         if getattr(cfg, name) < 1:
-            raise SparqError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup", "l", "prefill_max"):
+            raise SparqError(f"{_option(name)}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.l is None:
+        cfg = replace(cfg, l=cfg.k // 4)
+    for name in ("warmup", "prefill_max"):
         if getattr(cfg, name) < 0:
-            raise SparqError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(cfg, name)}")
-    if cfg.l > cfg.k:
-        raise SparqError(f"--l: must be in 0..k ({cfg.k}), got {cfg.l}")
+            raise SparqError(f"{_option(name)}: must be >= 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.l <= cfg.k:
+        raise SparqError(f"--sparse-l: SparQ's l must be in 0..k ({cfg.k}), got {cfg.l}")
     if not 0 <= cfg.loki_l <= cfg.k:
-        raise SparqError(f"--loki-l: must be in 0..k ({cfg.k}), got {cfg.loki_l}")
+        raise SparqError(f"--sparse-l: Loki's l must be in 0..k ({cfg.k}), got {cfg.loki_l}")
     if not 0 <= cfg.sink <= cfg.k - max(cfg.l, cfg.loki_l):
-        raise SparqError(f"--sink: must be in 0..k - l ({cfg.k - max(cfg.l, cfg.loki_l)}), got {cfg.sink}")
+        raise SparqError(f"--sparse-sink: must be in 0..k - l ({cfg.k - max(cfg.l, cfg.loki_l)}), got {cfg.sink}")
     if cfg.loki_pca is not None and not Path(cfg.loki_pca).is_file():
         raise SparqError(f"--loki-pca: file not found: {cfg.loki_pca}")
     cfg = replace(cfg, threads=check_threads(cfg.threads if cfg.threads is not None else _default_threads()))

@@ -36,13 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparq_cpp.errors import SparqError
+from sparq_cpp.llm import CACHE_TYPE_NAMES, CACHE_TYPES  # the cache types and their ggml type numbers
 
 STATE_SEQ_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
 LAYOUT_MAGIC = 0x54415053  # llama-kv-cache.cpp LLAMA_KV_STATE_LAYOUT_MAGIC
 LAYOUT_VERSION = 1
 LAYOUT_KT, LAYOUT_LOKI, LAYOUT_ALISA = 1, 2, 4
-GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
-GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 QK8_0 = 32
 _Q8_0_BLOCK = 2 + QK8_0
 _POOL = 1 << 22  # random values drawn once per blob; rows are windows of it at random offsets
@@ -60,8 +59,8 @@ class KVLayout:
     v_trans: bool = False  # llama.cpp stores V transposed when flash attention is off
 
     def __post_init__(self):
-        if self.cache_type not in GGML_TYPES:
-            raise SparqError(f"cache type {self.cache_type!r} is not one of {', '.join(GGML_TYPES)}")
+        if self.cache_type not in CACHE_TYPES:
+            raise SparqError(f"cache type {self.cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
         if self.cache_type == "q8_0":
             if self.v_trans:
                 raise SparqError("a q8_0 V cache needs flash attention (llama.cpp cannot store it transposed)")
@@ -219,7 +218,7 @@ def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None
             x *= std
             yield r0, x
 
-    t = GGML_TYPES[layout.cache_type]
+    t = CACHE_TYPES[layout.cache_type]
     krow = layout.row_bytes(Ek)
     k_rows = []  # per layer, the K rows as stored, for K^T
     for il in range(L):
@@ -251,7 +250,7 @@ def synthetic_state(layout: KVLayout, n_cells: int, *, seed: int = 0, k_std=None
         kt_type = np.float32 if kt_elem_bytes(layout) == 4 else np.float16
         w.pack("<I", 1)
         for il in range(L):
-            w.pack("<iI", GGML_TYPES["f32" if kt_type is np.float32 else "f16"], Ek)
+            w.pack("<iI", CACHE_TYPES["f32" if kt_type is np.float32 else "f16"], Ek)
             dst = w.take(n_cells * Ek * kt_elem_bytes(layout)).view(kt_type).reshape(Ek, n_cells)
             for r0 in range(0, n_cells, _CHUNK_ROWS):
                 raw = k_rows[il][r0:r0 + _CHUNK_ROWS]
@@ -319,16 +318,16 @@ def parse_state(blob, n_embd_v_gqa: int | None = None) -> ParsedState:
     k_types, v_types, ks, vs = [], [], [], []
     for _ in range(n_layer):
         t, row = unpack("<iQ")
-        k_types.append(GGML_TYPE_NAMES.get(t, t))
+        k_types.append(CACHE_TYPE_NAMES.get(t, t))
         ks.append(take(n_cells * row).reshape(n_cells, row))
     for _ in range(n_layer):
         if v_trans:
             t, el, E = unpack("<iII")
-            v_types.append(GGML_TYPE_NAMES.get(t, t))
+            v_types.append(CACHE_TYPE_NAMES.get(t, t))
             vs.append(take(n_cells * E * el).reshape(E, n_cells * el))
         else:
             t, row = unpack("<iQ")
-            v_types.append(GGML_TYPE_NAMES.get(t, t))
+            v_types.append(CACHE_TYPE_NAMES.get(t, t))
             vs.append(take(n_cells * row).reshape(n_cells, row))
     kts = []
     if layout_bits & LAYOUT_KT:

@@ -13,13 +13,18 @@ from sparq_cpp.bench.e2e import run
 from sparq_cpp.bench.e2e_config import DEFAULT_DEPTHS, DEFAULT_MODES, FILLS, MODES, BenchConfig, parse_depths
 from sparq_cpp.bench.e2e_report import format_table
 from sparq_cpp.bench import serve_load
-from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, model_option, progress_enabled, progress_option,
-                                   resolve_model, threads_type)
+from sparq_cpp.cli.options import (OLD_NAMES_USED, THREADS_HELP, Command, FiniteFloatRange, Group, OldName,
+                                   attention_options, model_option, progress_enabled, progress_option, resolve_model,
+                                   threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.modelfactory import PRESETS, WTYPES
 
 
-@click.group("bench", invoke_without_command=True)
+# the attention group's options `bench` and `bench serve` take (the modes choose the method and the cache type)
+BENCH_OPTIONS = ("--sparq-r", "--loki-d", "--sparse-k", "--sparse-l", "--sparse-sink", "--mean-value", "--loki-pca")
+
+
+@click.group("bench", cls=Group, invoke_without_command=True)
 @click.option("-m", "--model", "--gguf", "model", type=click.Path(dir_okay=False), default=None,
               help="GGUF to time (default: a synthetic Llama 2 7B-shaped model, written once and cached).")
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="llama2-7b", show_default=True,
@@ -31,17 +36,6 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--depths", default=DEFAULT_DEPTHS, show_default=True, help="Comma-separated S values (k = 1024).")
 @click.option("--modes", default=DEFAULT_MODES, show_default=True,
               help=f"Comma-separated, from: {', '.join(MODES)}.")
-@click.option("--r", "r", type=int, default=16, show_default=True, help="SparQ: query components used for ranking.")
-@click.option("--k", "k", type=int, default=128, show_default=True, help="SparQ/Loki: positions attended to.")
-@click.option("--l", "l", type=int, default=32, show_default=True, help="SparQ: most recent positions always kept.")
-@click.option("--d", "d", type=int, default=32, show_default=True, help="Loki: principal components used for ranking.")
-@click.option("--loki-l", type=int, default=0, show_default=True, help="Loki: most recent positions always kept.")
-@click.option("--sink", type=int, default=0, show_default=True,
-              help="SparQ and Loki: positions below this (the first tokens) always kept, 0..k - l.")
-@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
-              help="Loki: projection GGUF for --model (default: a synthetic random basis; timing only).")
-@click.option("--mean-value/--no-mean-value", default=True, show_default=True,
-              help="SparQ's mean-value reallocation (the paper turns it off for GQA models).")
 @click.option("--repeats", type=int, default=15, show_default=True,
               help="Timed single-token steps per (S, mode) and round; on a 2-vCPU VM, reruns with 15 x 1 round "
                    "and with 7 x 3 rounds differed by up to 14-15% at some S.")
@@ -75,10 +69,13 @@ from sparq_cpp.modelfactory import PRESETS, WTYPES
 @click.option("--block", type=click.IntRange(min=1), default=4, show_default=True,
               help="Interleaved: steps of one mode per turn, after one untimed step that pays for the switch.")
 @progress_option
+@attention_options(*BENCH_OPTIONS)
+@click.option("--loki-l", "loki_l", cls=OldName, new="--sparse-l", type=int, default=None,
+              help="Loki's l alone (--sparse-l sets SparQ's and Loki's).")
 @click.pass_context
-def command(ctx, model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l, sink, loki_pca, mean_value, repeats, rounds, warmup, threads,
-            fill, prefill_max, seed, json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac,
-            max_extra_steps, wait_quiet, interleave, block, progress):
+def command(ctx, model, preset, wtype, layers, depths, modes, repeats, rounds, warmup, threads, fill, prefill_max, seed,
+            json_path, plot_path, beyond_train_ctx, mem_fraction, bandwidth_mib, disturbed_frac, max_extra_steps,
+            wait_quiet, interleave, block, progress, r, d, k, l, sink, mean_value, loki_pca, loki_l):
     """Time decoding one token at a time from depth S for each mode, as generation runs it (median and IQR
     of steady steps), with the bytes each token reads, the machine's read bandwidth and the speed-up bound;
     the first step after filling the cache and a step right after removing the last token are reported apart.
@@ -93,8 +90,12 @@ def command(ctx, model, preset, wtype, layers, depths, modes, r, k, l, d, loki_l
                                    f"itself, not to `bench {ctx.invoked_subcommand}`; give "
                                    f"`bench {ctx.invoked_subcommand}` its own options after its name")
         return
+    if loki_l is None:  # --sparse-l sets Loki's l too; the old --l was SparQ's alone
+        loki_l = 0 if l is None or "--l" in ctx.meta.get(OLD_NAMES_USED, ()) else l
     cfg = BenchConfig(depths=depths, modes=modes, model=model, preset=preset, wtype=wtype, layers=layers,
-                      r=r, k=k, l=l, d=d, loki_l=loki_l, sink=sink, loki_pca=loki_pca, mean_value=mean_value, repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
+                      r=16 if r is None else r, k=128 if k is None else k, l=l, d=32 if d is None else d, loki_l=loki_l,
+                      sink=0 if sink is None else sink, loki_pca=loki_pca, mean_value=mean_value is not False,
+                      repeats=repeats, rounds=rounds, warmup=warmup, fill=fill,
                       prefill_max=parse_depths(prefill_max)[0], threads=threads, seed=seed,
                       json_path=json_path, plot_path=plot_path, beyond_train_ctx=beyond_train_ctx,
                       mem_fraction=mem_fraction, bandwidth_bytes=bandwidth_mib << 20, disturbed_frac=disturbed_frac,
@@ -116,7 +117,7 @@ def compare_command(run_a, run_b, tolerance):
     click.echo(format_comparison(compare(load(run_a), load(run_b), tolerance), tolerance))
 
 
-@command.command("serve")
+@command.command("serve", cls=Command)
 @model_option("GGUF model file, or a known model name (smollm2-135m); default: the demo model, "
               "models/austen.q8_0.gguf.")
 @click.option("--users", default="1,4", show_default=True,
@@ -134,13 +135,6 @@ def compare_command(run_a, run_b, tolerance):
 @click.option("--text", type=click.Path(dir_okay=False), default=None,
               help="UTF-8 text the users' documents are cut from, one passage each (default: Jane Austen's "
                    "novels, fetched once with apt-get).")
-@click.option("--sparq-r", "--r", "r", type=int, default=None, help="SparQ: query components used for ranking [serve's].")
-@click.option("--sparse-k", "--k", "k", type=int, default=None, help="SparQ/Loki: positions attended [serve's].")
-@click.option("--sparse-l", "--l", "l", type=int, default=None, help="SparQ/Loki: most recent positions kept [serve's].")
-@click.option("--sparse-sink", "--sink", "sink", type=int, default=None, help="SparQ/Loki: first positions kept [serve's].")
-@click.option("--loki-d", "--d", "d", type=int, default=None, help="Loki: principal components used [serve's].")
-@click.option("--loki-pca", type=click.Path(dir_okay=False), default=None,
-              help="Loki: projection GGUF (default: serve's, <model stem>.loki.gguf next to the model).")
 @click.option("--request-timeout", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds a request may take; a request that runs out is a failed request.")
 @click.option("-o", "--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -150,19 +144,22 @@ def compare_command(run_a, run_b, tolerance):
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Keep each server's log here (server-PORT.log).")
 @progress_option
-def serve_command(model, users, depths, modes, turns, max_tokens, threads, text, r, k, l, sink, d, loki_pca,
-                  request_timeout, json_path, plot_path, log_dir, progress):
+@attention_options(*BENCH_OPTIONS)
+def serve_command(model, users, depths, modes, turns, max_tokens, threads, text, request_timeout, json_path, plot_path,
+                  log_dir, progress, r, d, k, l, sink, mean_value, loki_pca):
     """Load the OpenAI-compatible server (started through `sparq-cpp serve`, once per number of users and mode)
     with concurrent users, each in its own streamed conversation over its own long document, follow-up turns
     reusing the prompt cache. Reports per mode and number of users: aggregate decode tokens/s, time to first
     token p50/p95, inter-token latency p50/p99, prompt tokens/s, the server's peak RSS, the caches one user
     costs and the share of requests served from the prompt cache. A failed request is reported with the
     server's error and fails the run (after the JSON is written)."""
-    sparse = []
+    sparse = []  # passed on to `sparq-cpp serve` under the same names
     for flag, value in (("--sparq-r", r), ("--sparse-k", k), ("--sparse-l", l), ("--sparse-sink", sink),
                         ("--loki-d", d), ("--loki-pca", loki_pca)):
         if value is not None:
             sparse += [flag, str(Path(value).resolve()) if flag == "--loki-pca" else str(value)]
+    if mean_value is not None:
+        sparse.append("--mean-value" if mean_value else "--no-mean-value")
     if plot_path is None and json_path is not None:
         plot_path = str(Path(json_path).with_suffix(".png"))
     if log_dir is not None:

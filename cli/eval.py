@@ -8,9 +8,10 @@ from pathlib import Path
 import click
 
 from sparq_cpp import lazy
-from sparq_cpp.cli.options import (THREADS_HELP, model_option, progress_enabled, progress_option, resolve_model,
-                                   threads_type)
+from sparq_cpp.cli.options import (CACHE_OPTION_NAMES, THREADS_HELP, Command, attention_options, model_option,
+                                   progress_enabled, progress_option, projection_beside, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
+from sparq_cpp.llm import cache_types
 from sparq_cpp.evaluation import results, tasks
 from sparq_cpp.evaluation.methods import parse_methods
 from sparq_cpp.evaluation.runner import EvalConfig, run
@@ -76,7 +77,12 @@ def _domains(items) -> dict:
     return out
 
 
-@click.command("eval")
+# the attention group's options eval takes: the methods and ratios choose the rest (k, l and ALISA's c per ratio)
+EVAL_OPTIONS = ("--sparq-r", "--loki-d", "--sparse-sink", "--mean-value", "--loki-pca", "--cache-type-k", "--cache-type-v",
+                "--cache-type")
+
+
+@click.command("eval", cls=Command)
 @model_option("GGUF model file, or a real model fetched on first use and checked by sha256 "
               "(sparq_cpp/real_models.py): smollm2-135m; default: the demo model, models/austen.q8_0.gguf.")
 @click.option("--tasks", "task_list", default="bpc,repetition,needle,kv,copy", show_default=True,
@@ -101,20 +107,10 @@ def _domains(items) -> dict:
               help="copy: words in the paragraph that is repeated (the first is given, the rest scored).")
 @click.option("--lengths", default="512,1024", show_default=True, help="needle / kv: prompt lengths in tokens.")
 @click.option("--depths", default="0,0.5,1", show_default=True, help="needle / kv: depths (0 = start, 1 = end).")
-@click.option("--r", "sparq_r", type=click.IntRange(min=1), default=None, help="SparQ: fix r and sweep only k (default: r = ratio * D).")
 @click.option("--local", "sparq_local", default="1/4", show_default=True,
               help="SparQ: the most recent positions kept (l) as a share of k, in [0, 1].")
 @click.option("--loki-local", default="0", show_default=True,
               help="Loki: the most recent positions kept (l) as a share of k, in [0, 1].")
-@click.option("--d", "loki_d", type=click.IntRange(min=1), default=None, help="Loki: fix d and sweep only k (default: d = ratio * D).")
-@click.option("--sink", type=click.IntRange(min=0), default=0, show_default=True,
-              help="SparQ and Loki: positions below this (the first tokens, an attention sink) always kept, within k.")
-@click.option("--mean-value/--no-mean-value", default=None,
-              help="SparQ's mean-value reallocation (default: on for MHA, off for GQA models, as in the paper).")
-@click.option("--loki-projection", type=click.Path(dir_okay=False), default=None,
-              help="Loki bases (from `sparq-cpp calibrate`); needed by loki@ref, and by loki unless embedded.")
-@click.option("--cache-type", type=click.Choice(["f16", "f32", "q8_0"]), default="f16", show_default=True,
-              help="KV cache type (the reference does f16 and f32).")
 @click.option("--threads", type=threads_type(), default=None, help=THREADS_HELP)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated default data.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -123,9 +119,10 @@ def _domains(items) -> dict:
               help="Write a PNG: score vs compression per method, a panel per task.")
 @progress_option
 @click.option("--help-formats", is_flag=True, help="Print the task file formats and exit.")
-def command(model, task_list, data, domain_items, methods, ratios, samples, context, continuation, max_new, copy_words, lengths, depths,
-            sparq_r, sparq_local, loki_local, loki_d, sink, mean_value, loki_projection, cache_type, threads, seed, json_path,
-            plot_path, progress, help_formats):
+@attention_options(*EVAL_OPTIONS)
+def command(model, task_list, data, domain_items, methods, ratios, samples, context, continuation, max_new, copy_words,
+            lengths, depths, sparq_local, loki_local, threads, seed, json_path, plot_path, progress, help_formats, r, d,
+            sink, mean_value, loki_pca, cache_type_k, cache_type_v, cache_type):
     """Score tasks at target compression ratios for each method: bits per character, text repetition,
     needle in a haystack, key-value retrieval, copying a paragraph of random words. The reference (exact top-k, H2O, LM-Infinite, and any
     METHOD@ref) is a numpy forward pass: practical for small models only (see the README)."""
@@ -136,6 +133,10 @@ def command(model, task_list, data, domain_items, methods, ratios, samples, cont
                     ("--max-new", max_new), ("--copy-words", copy_words)):
         if v < 1:
             raise SparqError(f"{name} must be >= 1, got {v}")
+    type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v, names=CACHE_OPTION_NAMES)
+    if type_k != type_v:
+        raise SparqError(f"eval runs one cache type for K and V (the reference's and the transfer model's), not "
+                         f"-ctk {type_k} with -ctv {type_v}; give --cache-type")
     local_share, loki_share = (_share(sparq_local, "--local"), _share(loki_local, "--loki-local"))
     if context < 2:
         raise SparqError("--context must be at least 2 tokens")
@@ -153,12 +154,16 @@ def command(model, task_list, data, domain_items, methods, ratios, samples, cont
     if plot_path:
         lazy.need("matplotlib", "--plot")
     gguf = resolve_model(model)
+    method_specs = parse_methods(methods)
+    if loki_pca is None and any(spec.method == "loki" for spec in method_specs):
+        loki_pca = projection_beside(gguf)  # as generate and serve: else the projection embedded in the model
     cfg = EvalConfig(
-        model_path=Path(gguf), tasks=task_names, methods=parse_methods(methods), ratios=parse_ratios(ratios),
+        model_path=Path(gguf), tasks=task_names, methods=method_specs, ratios=parse_ratios(ratios),
         task_cfg=tasks.TaskConfig(samples=samples, context=context, continuation=continuation, max_new=max_new, copy_words=copy_words,
                                   lengths=_ints(lengths, "--lengths"), depths=_depths(depths)),
-        data={**_data(data), **domain_data}, cache_type=cache_type, threads=threads, sparq_r=sparq_r, sparq_local=local_share, loki_local=loki_share, loki_d=loki_d,
-        sink=sink, mean_value=mean_value, loki_projection=loki_projection, seed=seed, progress=progress_enabled(progress))
+        data={**_data(data), **domain_data}, cache_type=type_k, threads=threads, sparq_r=r, sparq_local=local_share,
+        loki_local=loki_share, loki_d=d, sink=0 if sink is None else sink, mean_value=mean_value,
+        loki_projection=loki_pca, seed=seed, progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
     doc["summary"] = results.summarize(doc["records"])
     doc["grid"] = results.grid(doc["records"])

@@ -3,6 +3,7 @@ report why it stopped, prompt and decode speed, and the KV-cache data the last s
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import sys
 import time
@@ -14,16 +15,16 @@ import numpy as np
 
 from sparq_cpp import lazy
 from sparq_cpp import system as host  # not `system`: generate's --system-prompt is
-from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ
+from sparq_cpp.attention import ALISA, Auto, Dense, Loki, SparQ, parse_attention
 from sparq_cpp.auto import known_poor
 from sparq_cpp.bindings.cpu_backend import gpu_device_count
 from sparq_cpp.bench.machine import CpuMonitor
-from sparq_cpp.cli.options import (THREADS_HELP, FiniteFloatRange, attention_options, cache_type_options, cache_types,
-                                   flash_attn_for, flash_attn_option, model_option, resolve_model, threads_type)
+from sparq_cpp.cli.options import (CACHE_OPTION_NAMES, THREADS_HELP, Command, FiniteFloatRange, attention_options,
+                                   flash_attn_for, flash_attn_option, model_option, projection_beside, resolve_model,
+                                   threads_type)
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf
-from sparq_cpp.llm import open_model
-from sparq_cpp.projection import default_projection
+from sparq_cpp.llm import cache_types, open_model
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
 BUSY_SHARE = 0.25  # of the machine's CPU time used by other processes: the footer's speeds are then not the model's
@@ -55,14 +56,36 @@ class _Utf8Stream:
         self.out.flush()
 
 
-def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, loki_variant="post", c=None,
-                           model: Path | None = None, ratio=None, sink=None, max_loss=None):
-    """The attention settings the options ask for. Loki without --loki-pca takes `<model stem>.loki.gguf`
+# the attention group's settings (cli.options) by their option names, for the errors
+_SETTINGS = (("r", "--sparq-r"), ("d", "--loki-d"), ("k", "--sparse-k"), ("l", "--sparse-l"), ("sink", "--sparse-sink"),
+             ("mean_value", "--[no-]mean-value"), ("loki_pca", "--loki-pca"), ("loki_variant", "--loki-variant"),
+             ("c", "--alisa-c"))
+
+
+def attention_from_options(attn=None, *, sparse_attn=None, r=None, d=None, k=None, l=None, sink=None, mean_value=None,
+                           loki_pca=None, loki_variant=None, c=None, ratio=None, max_loss=None,
+                           model: Path | None = None):
+    """The attention settings the options of the attention group ask for (cli.options.attention_options; a value
+    left out is None), with the defaults their help states. Loki without --loki-pca takes `<model stem>.loki.gguf`
     next to the model when there is one (what `sparq-cpp calibrate` writes) and says so; auto reads the same
     calibration (sparq_cpp.auto resolves it when the model is opened)."""
+    values = {"r": r, "d": d, "k": k, "l": l, "sink": sink, "mean_value": mean_value, "loki_pca": loki_pca,
+              "loki_variant": loki_variant, "c": c}
+    if sparse_attn is not None:
+        given = (["--attn"] if attn is not None else []) + [flag for name, flag in _SETTINGS if values[name] is not None] \
+            + [flag for flag, v in (("--ratio", ratio), ("--max-loss", max_loss)) if v is not None]
+        if given:
+            raise SparqError(f"--sparse-attn is the whole setting; drop {', '.join(given)} or write it inside the "
+                             "setting (e.g. sparq:r=8,k=64 or loki:d=16,proj=FILE)")
+        attention = parse_attention(sparse_attn)
+        if isinstance(attention, (Loki, Auto)) and attention.projection is not None \
+                and not Path(attention.projection).is_file():
+            raise SparqError(f"--sparse-attn: proj: file not found: {attention.projection}")
+        if isinstance(attention, Loki) and attention.projection is None:
+            attention = dataclasses.replace(attention, projection=projection_beside(model))
+        return attention
     if attn == "auto":
-        given = [name for name, v in (("--sparq-r", r), ("--loki-d", d), ("--sparse-k", k), ("--sparse-l", l),
-                                       ("--sparse-sink", sink), ("--alisa-c", c)) if v is not None] + (["--no-mean-value"] if no_mean_value else [])
+        given = [flag for name, flag in _SETTINGS if values[name] is not None and name != "loki_pca"]
         if given:
             raise SparqError(f"--attn auto chooses the method and its settings; drop {', '.join(given)} (the budget "
                              "is --ratio)")
@@ -73,41 +96,38 @@ def attention_from_options(attn, r, k, l, no_mean_value, d=None, loki_pca=None, 
     if ratio is not None or max_loss is not None:
         raise SparqError(f"{'--ratio' if ratio is not None else '--max-loss'} is a bound of --attn auto; use --attn "
                          "auto, or set --sparq-r/--loki-d and --sparse-k")
-    sparq_only = r is not None or no_mean_value
-    loki_only = d is not None or loki_pca is not None
+    sparq_only = r is not None or mean_value is not None
+    loki_only = d is not None or loki_pca is not None or loki_variant is not None
     shared = k is not None or l is not None or sink is not None
     if c is not None and (sparq_only or loki_only or shared):
         raise SparqError("--alisa-c is ALISA's setting and --sparq-r/--loki-d/--sparse-k/--sparse-l/--sparse-sink/"
-                         "--no-mean-value/--loki-pca are SparQ's and Loki's; ALISA takes only --alisa-c")
+                         "--[no-]mean-value/--loki-pca/--loki-variant are SparQ's and Loki's; ALISA takes only --alisa-c")
     if attn is None:
         if sparq_only and loki_only:
-            raise SparqError("--sparq-r/--no-mean-value are SparQ settings and --loki-d/--loki-pca Loki ones; "
-                             "pick one --attn")
+            raise SparqError("--sparq-r/--[no-]mean-value are SparQ settings and --loki-d/--loki-pca/--loki-variant "
+                             "Loki ones; pick one --attn")
         attn = "alisa" if c is not None else "loki" if loki_only else "sparq" if (sparq_only or shared) else "dense"
     if attn == "dense" and (sparq_only or loki_only or shared or c is not None):
-        raise SparqError("--sparq-r/--loki-d/--sparse-k/--sparse-l/--sparse-sink/--alisa-c/--no-mean-value/--loki-pca "
-                         "are sparse attention settings; drop them or use --attn sparq, loki or alisa")
+        raise SparqError("--sparq-r/--loki-d/--sparse-k/--sparse-l/--sparse-sink/--alisa-c/--[no-]mean-value/"
+                         "--loki-pca/--loki-variant are sparse attention settings; drop them or use --attn sparq, "
+                         "loki or alisa")
     if attn == "alisa":
         return ALISA(c=0.125 if c is None else c)
     if c is not None:
         raise SparqError("--alisa-c is an ALISA setting; use --attn alisa")
     if attn == "sparq" and loki_only:
-        raise SparqError("--loki-d/--loki-pca are Loki settings; use --attn loki")
+        raise SparqError("--loki-d/--loki-pca/--loki-variant are Loki settings; use --attn loki")
     if attn == "loki" and sparq_only:
-        raise SparqError("--sparq-r/--no-mean-value are SparQ settings; use --attn sparq")
+        raise SparqError("--sparq-r/--[no-]mean-value are SparQ settings; use --attn sparq")
     if attn == "sparq":
-        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=not no_mean_value,
+        return SparQ(r=16 if r is None else r, k=128 if k is None else k, l=l, mean_value=mean_value is not False,
                      sink=0 if sink is None else sink)
     if attn == "loki":
         if loki_pca is not None and not Path(loki_pca).is_file():
             raise SparqError(f"--loki-pca: file not found: {loki_pca}")
-        if loki_pca is None and model is not None:
-            beside = default_projection(model)
-            if beside.is_file():
-                loki_pca = str(beside)
-                click.echo(f"loki    projection {beside} (next to the model; --loki-pca picks another)", err=True)
         return Loki(d=32 if d is None else d, k=128 if k is None else k, l=0 if l is None else l,
-                    projection=loki_pca, variant=loki_variant, sink=0 if sink is None else sink)
+                    projection=loki_pca if loki_pca is not None else projection_beside(model),
+                    variant=loki_variant or "post", sink=0 if sink is None else sink)
     return Dense()
 
 
@@ -161,7 +181,7 @@ def _chat_prompt(llm, text: str, system: str | None, template: str | None = None
     return llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True), result.prompt
 
 
-@click.command("generate")
+@click.command("generate", cls=Command)
 @model_option("GGUF model file, or a known model name (smollm2-135m); default: the demo model, "
               "models/austen.q8_0.gguf.")
 @click.option("--prompt", "-p", default=None,
@@ -208,23 +228,21 @@ def _chat_prompt(llm, text: str, system: str | None, template: str | None = None
 @click.option("--jinja", is_flag=True, hidden=True, help="Accepted as in llama.cpp: chat templates are Jinja here.")
 @click.option("--display-prompt/--no-display-prompt", default=True, show_default=True,
               help="Print the raw prompt before its continuation (--no-chat).")
-@cache_type_options
 @flash_attn_option
-@attention_options
+@attention_options()
 def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threads, threads_batch, gpu_layers, parallel,
             seed, temp, top_k, top_p, min_p, repeat_penalty, grammar, grammar_file, json_schema, reverse_prompt,
-            ignore_eos, chat_template, chat_template_file, jinja, display_prompt, cache_type_k, cache_type_v,
-            cache_type, flash_attn, attn, ratio, max_loss, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c):
+            ignore_eos, chat_template, chat_template_file, jinja, display_prompt, flash_attn, cache_type, cache_type_k,
+            cache_type_v, **options):
     """Generate text, streaming it: an instruct model answers the prompt through its chat template, other
     models continue it. Then print why generation stopped, prompt and decode speed, and the KV-cache data
     the last step read against dense."""
     if n_predict < 1 and n_predict != -1:
         raise SparqError(f"-n must be >= 1, or -1 for no limit, got {n_predict}")
-    type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
+    type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v, names=CACHE_OPTION_NAMES)
     text = _read_prompt(prompt, prompt_file)
     path = resolve_model(model)
-    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
-                                       ratio=ratio, sink=sink, max_loss=max_loss)
+    attention = attention_from_options(**options, model=path)
     fa = flash_attn_for(flash_attn, attention)
     if system is not None and chat is False:
         raise SparqError("--system-prompt is a chat message; drop it or drop --no-chat")
@@ -244,7 +262,7 @@ def command(model, prompt, prompt_file, chat, system, n_predict, ctx_size, threa
         click.echo(f"threads {host.THREAD_WAIT_NOTE}", err=True)
     if gpu_layers and not gpu_device_count():
         click.echo(f"note    -ngl {gpu_layers}: this build has no GPU backend, nothing is offloaded", err=True)
-    report_choice(llm, attention, path, loki_pca)
+    report_choice(llm, attention, path, options["loki_pca"])
     attention = llm.attention  # auto: what it resolved to
     has_template = template is not None or "tokenizer.chat_template" in llm.metadata
     if chat and not has_template:

@@ -18,14 +18,14 @@ import time
 import click
 
 from sparq_cpp import system
-from sparq_cpp.attention import ALISA, Auto, Dense, Loki, spec
-from sparq_cpp.auto import known_poor, resolve
+from sparq_cpp.attention import ALISA, Dense, Loki, spec
+from sparq_cpp.auto import known_poor
 from sparq_cpp.cli.generate import attention_from_options
-from sparq_cpp.cli.options import (THREADS_HELP, attention_options, cache_type_options, cache_types, flash_attn_for,
+from sparq_cpp.cli.options import (CACHE_OPTION_NAMES, THREADS_HELP, Command, attention_options, flash_attn_for,
                                    flash_attn_option, model_option, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
-from sparq_cpp.gguf_check import check_gguf, check_sparse
-from sparq_cpp.llm import check_alisa, check_loki_projection, default_threads, display_name
+from sparq_cpp.gguf_check import check_gguf
+from sparq_cpp.llm import default_threads, prepare
 from sparq_cpp.memory import check_fits, context_estimate, shape_from_gguf
 from sparq_cpp.outfile import fmt_bytes
 from sparq_cpp.pyext.build import tool_path
@@ -52,7 +52,7 @@ _CHECKED = {
     "-ctk": "-ctk", "--cache-type-k": "-ctk", "-ctv": "-ctv", "--cache-type-v": "-ctv",
     "-fa": "-fa", "--flash-attn": "-fa", "-t": "-t", "--threads": "-t",
     "--host": "--host", "--port": "--port",
-    "--sparse-attn": "--attn and its settings",  # llama.cpp's own spelling of LLAMA_SPARSE_ATTN
+    "--sparse-attn": "--sparse-attn",  # serve takes it too (or --attn and its settings)
     "--cors-origins": "--cors",
 }
 
@@ -176,33 +176,30 @@ def server_ctx(summary, ctx_size, parallel) -> int:
     return ctx_size if ctx_size is not None else min(4096, summary.n_ctx_train or 4096) * parallel
 
 
-def server_command(path, attention, *, host, port, ctx_size, parallel, threads, cache_type_k="f16",
-                   cache_type_v="f16", flash_attn="auto", extra=(), cors=None) -> tuple:
-    """(argv, environment) that start llama-server for `path` with `attention`, after the checks a
-    context creation would fail on (model, settings, projection) and of the options after `--`; the
-    CORS origins as cors_args chooses them."""
-    check_forwarded(extra)
-    summary = check_gguf(path)
-    if not isinstance(attention, Dense):
-        check_sparse(summary, display_name(attention))
-    attention.check(summary.head_dim)
-    if isinstance(attention, Loki):
-        attention = check_loki_projection(attention, path)
-    if isinstance(attention, ALISA):
-        check_alisa(path)
+def check_server_numbers(port: int, ctx_size, parallel: int) -> None:
+    """The server's own numbers, before the model is read."""
     if not 1 <= port <= 65535:
         raise SparqError(f"--port must be in 1..65535, got {port}")
     if ctx_size is not None and ctx_size < 1:
         raise SparqError(f"--ctx-size must be >= 1, got {ctx_size}")
     if parallel < 1:
         raise SparqError(f"--parallel must be >= 1, got {parallel}")
+
+
+def server_command(opening, *, host, port, ctx_size, parallel, threads, flash_attn="auto", extra=(),
+                   cors=None) -> tuple:
+    """(argv, environment) that start llama-server for `opening` (sparq_cpp.llm.prepare's: the model and the
+    setting checked, as sparq_cpp.Llama checks them) with the server's settings (check_server_numbers'd) and the
+    options after `--` (check_forwarded'd); what only the pair refuses is checked here: ALISA with more than one
+    slot, -fa off with a sparse mode. The CORS origins as cors_args chooses them."""
+    attention = opening.attention
     if isinstance(attention, ALISA) and parallel != 1:
         raise SparqError(f"ALISA keeps one window of past weights, so one sequence: --parallel must be 1, got {parallel}")
     fa = flash_attn_for(flash_attn, attention)  # SparQ, Loki and ALISA read V row by row
-    n_ctx = server_ctx(summary, ctx_size, parallel)
-    argv = [str(tool_path("llama-server")), "-m", str(path), "--host", host, "--port", str(port),
+    n_ctx = server_ctx(opening.summary, ctx_size, parallel)
+    argv = [str(tool_path("llama-server")), "-m", str(opening.path), "--host", host, "--port", str(port),
             "-c", str(n_ctx), "-np", str(parallel), "-t", str(threads or default_threads()),
-            "-ctk", cache_type_k, "-ctv", cache_type_v, "-fa", fa]
+            "-ctk", opening.type_k, "-ctv", opening.type_v, "-fa", fa]
     env = dict(os.environ)
     env.pop("LLAMA_SPARSE_ATTN", None)
     note = system.choose_thread_wait(env)  # llama-server's OpenMP threads: passive when the CPU is busy now
@@ -318,7 +315,7 @@ def check_memory(est: dict, available: int) -> None:
     check_fits(est, available, "the server", "use a smaller -c, fewer slots (-np) or a q8_0 cache (--cache-type q8_0)")
 
 
-class _ServeCommand(click.Command):
+class _ServeCommand(Command):
     """Only what follows `--` goes to llama-server: an option before it that this command does not know is an
     error (a typo such as --temprature, or -m given twice), not forwarded."""
 
@@ -341,46 +338,43 @@ class _ServeCommand(click.Command):
               help="Context size of all slots together (default: 4096 per slot, or the model's training context).")
 @click.option("--parallel", "-np", type=int, default=1, show_default=True, help="Slots (requests served at once).")
 @click.option("--threads", "-t", type=threads_type(), default=None, help=THREADS_HELP)
-@cache_type_options
 @flash_attn_option
-@attention_options
 @click.option("--cors", default=None, metavar="ORIGINS",
               help="Web origins allowed to call the server from a browser (comma-separated, localhost, or *). "
                    "Default without an API key (-- --api-key KEY): pages of this machine only; with one, "
                    "llama-server's default (any origin).")
 @click.option("--print-command", is_flag=True, help="Print the llama-server command and its setting, do not start it.")
-def command(model, host, port, ctx_size, parallel, threads, cache_type_k, cache_type_v, cache_type, flash_attn, attn,
-            ratio, max_loss, r, d, k, l, sink, no_mean_value, loki_pca, loki_variant, c, cors, print_command):
+@attention_options()
+def command(model, host, port, ctx_size, parallel, threads, flash_attn, cors, print_command, cache_type, cache_type_k,
+            cache_type_v, **options):
     """Serve a model over HTTP with OpenAI-style /v1/chat/completions and /v1/completions (llama-server),
     with SparQ, Loki or ALISA attention, its settings checked first. Options after `--` go to llama-server
     as they are (e.g. `-- --alias mymodel --metrics`), except those that would replace a checked setting."""
     server_args = click.get_current_context().meta["server_args"]
-    type_k, type_v = cache_types(cache_type, cache_type_k, cache_type_v)
+    check_forwarded(server_args)
+    check_server_numbers(port, ctx_size, parallel)
     path = resolve_model(model)
-    attention = attention_from_options(attn, r, k, l, no_mean_value, d, loki_pca, loki_variant, c, model=path,
-                                       ratio=ratio, sink=sink, max_loss=max_loss)
+    attention = attention_from_options(**options, model=path)
     summary = check_gguf(path)
-    if isinstance(attention, Auto):  # resolved for one slot's context
-        check_sparse(summary, "auto")
-        if parallel < 1:
-            raise SparqError(f"--parallel must be >= 1, got {parallel}")
-        n_ctx = server_ctx(summary, ctx_size, parallel)
-        # a unified cache (-kvu after --) lets one request fill all of -c; otherwise a slot has its share
-        unified = any(a in ("-kvu", "--kv-unified") for a in server_args)
-        n_ctx_seq = n_ctx if unified or parallel == 1 else max(1, n_ctx // parallel)
-        attention, why = resolve(attention, path, summary, n_ctx_seq)
-        click.echo(why, err=True)
+    n_ctx = server_ctx(summary, ctx_size, parallel)
+    # auto is resolved for one slot's context; a unified cache (-kvu after --) lets one request fill all of -c
+    unified = any(a in ("-kvu", "--kv-unified") for a in server_args)
+    n_ctx_seq = n_ctx if unified or parallel == 1 else max(1, n_ctx // parallel)
+    opening = prepare(path, attention, n_ctx=n_ctx_seq, summary=summary, cache_type=cache_type, type_k=cache_type_k,
+                      type_v=cache_type_v, cache_names=CACHE_OPTION_NAMES)
+    if opening.auto_choice is not None:
+        click.echo(opening.auto_choice, err=True)
         click.echo(f"sparse attention auto: n_ctx={n_ctx_seq} is " + (
             "the context of the one slot" if parallel == 1 else
             "what one request may fill of the unified cache" if unified else
             f"each of {parallel} slots' share of -c {n_ctx}"), err=True)
     else:
-        warning = known_poor(attention, path, summary, loki_pca)
+        warning = known_poor(attention, path, summary, options["loki_pca"])
         if warning:
             click.echo(f"warning: {warning}", err=True)
-    argv, env = server_command(path, attention, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
-                               threads=threads, cache_type_k=type_k, cache_type_v=type_v, flash_attn=flash_attn,
-                               extra=server_args, cors=cors)
+    argv, env = server_command(opening, host=host, port=port, ctx_size=ctx_size, parallel=parallel, threads=threads,
+                               flash_attn=flash_attn, extra=server_args, cors=cors)
+    attention = opening.attention
     for warning in exposure_warnings(server_args, env, host, cors):
         click.echo(f"warning: {warning}", err=True)
     setting = env.get("LLAMA_SPARSE_ATTN", "dense")

@@ -50,7 +50,7 @@ class RefSession:
     def _bases(self):
         if self._loki_bases is None:
             if self.loki_projection is None:
-                raise SparqError("loki on the reference needs a projection: pass --loki-projection FILE "
+                raise SparqError("loki on the reference needs a projection: pass --loki-pca FILE "
                                  "(made by `sparq-cpp calibrate`)")
             self._loki_bases = read_projection(self.loki_projection, model_path=self.model_path)
         return self._loki_bases

@@ -114,7 +114,7 @@ def run(cfg: EvalConfig, log=print) -> dict:
     methods = []
     for spec in cfg.methods:
         if spec.method == "loki" and spec.backend == "ref" and cfg.loki_projection is None:
-            raise SparqError("loki on the reference needs --loki-projection FILE (from `sparq-cpp calibrate`)")
+            raise SparqError("loki on the reference needs a projection: --loki-pca FILE (from `sparq-cpp calibrate`)")
         methods.append(spec)
     for spec in methods:
         if spec.method != "dense":  # every other method selects positions of an ordinary KV cache

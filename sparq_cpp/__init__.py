@@ -12,14 +12,14 @@ from sparq_cpp.attention import ALISA, Dense, Loki, SparQ
 from sparq_cpp.errors import SparqError
 from sparq_cpp.llm import llama_class
 
-if TYPE_CHECKING:  # at run time Llama is made on first use (below); type checkers see its declaration
-    from sparq_cpp.llm import Llama
+if TYPE_CHECKING:  # at run time Llama is imported on first use (below)
+    from sparq_cpp.llama import Llama
 
 __all__ = ["Llama", "Dense", "SparQ", "Loki", "ALISA", "SparqError"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # Llama subclasses llama_cpp.Llama: made on first use, so importing needs no llama_cpp
+def __getattr__(name):  # Llama (sparq_cpp/llama.py) imports llama_cpp, which loads libllama: not on `import sparq_cpp`
     if name == "Llama":
         return llama_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

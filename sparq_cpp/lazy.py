@@ -4,7 +4,9 @@ Two reasons only. Optional dependencies: the core install (generate, serve, cali
 gguf, numpy and click only; the reference and the evaluation need numba ([eval], [reference]), the plots
 matplotlib ([plot], also in [eval] and [bench]), training torch ([train]). And llama_cpp, a core dependency
 whose import loads libllama: modules that work without a build (the CLI's help, the model factory, the
-reference, the tests that need no build) import it through `llama_cpp()` when they use it.
+reference, the tests that need no build) import it through `llama_cpp()` when they use it. sparq_cpp/llama.py
+(the Llama class, a subclass of llama_cpp.Llama) imports llama_cpp at its top, and is itself imported on first
+use through `need()` (sparq_cpp.llm.llama_class).
 
 Everything else is imported at the top of its module; tests/test_layering.py checks that.
 """

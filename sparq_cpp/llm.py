@@ -1,16 +1,17 @@
 """Open a GGUF model in the patched llama.cpp, with the checks that turn bad input into clear errors.
 
-`sparq_cpp.Llama(path, attention=SparQ(r=16, k=128))` is llama-cpp-python's Llama with the sparse
-attention of the patch series switched on; `open_model` is the checked way the CLI opens one.
+`prepare` is the one path from a model file and a setting to what a context is created with: sparq_cpp.Llama
+(sparq_cpp/llama.py, `Llama(path, attention=SparQ(r=16, k=128))`: llama-cpp-python's Llama with the sparse
+attention of the patch series switched on) and `sparq-cpp serve` (llama-server) both go through it.
+`open_model` is the checked way the commands open a Llama. Nothing here imports llama_cpp.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from sparq_cpp import auto, lazy, system
 from sparq_cpp.attention import ALISA, Attention, Auto, Dense, Loki, SparQ, parse_attention
@@ -20,7 +21,12 @@ from sparq_cpp.gguf_check import GGUFSummary, check_gguf, check_sparse, swa_laye
 from sparq_cpp.memory import alisa_window_bytes, check_fits, context_estimate, shape_from_gguf
 from sparq_cpp.projection import default_projection, read_projection
 
-CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # name -> ggml type number (llama-cpp-python's type_k/type_v)
+if TYPE_CHECKING:  # at run time llama_class() imports it on first use (it loads libllama)
+    from sparq_cpp.llama import Llama
+
+# The KV cache types sparq-cpp runs (the sparse kernels, the transfer model, the reference and the tests cover
+# them), by name, with their ggml type numbers (llama-cpp-python's type_k/type_v, a state file's cells).
+CACHE_TYPES = {"f16": 1, "q8_0": 8, "f32": 0}
 CACHE_TYPE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
 
 
@@ -134,174 +140,79 @@ def _cache_type_name(value, what: str) -> str:
                      f"0, 1, 8; the sparse kernels and the transfer model cover those)")
 
 
-def cache_types(cache_type=None, type_k=None, type_v=None) -> tuple[str, str]:
-    """(K type, V type) from `cache_type` (both) and llama-cpp-python's `type_k`/`type_v`; f16 by default.
-    A type_k or type_v that contradicts cache_type is refused, not overridden."""
-    both = None if cache_type is None else _cache_type_name(cache_type, "cache_type")
+CACHE_ARGUMENT_NAMES = ("cache_type", "type_k", "type_v")  # as Llama takes them; the commands: --cache-type, -ctk, -ctv
+
+
+def cache_types(cache_type=None, type_k=None, type_v=None, *, names=CACHE_ARGUMENT_NAMES) -> tuple[str, str]:
+    """(K type, V type) from `cache_type` (both) and `type_k`/`type_v` (names or ggml type numbers); f16 by
+    default. A type_k or type_v that contradicts cache_type is refused, not overridden. `names`: how the caller
+    spells the three (Llama's arguments, or the commands' --cache-type, -ctk and -ctv) for the errors."""
+    both_name, k_name, v_name = names
+    both = None if cache_type is None else _cache_type_name(cache_type, both_name)
     out = []
-    for what, value in (("type_k", type_k), ("type_v", type_v)):
+    for what, value in ((k_name, type_k), (v_name, type_v)):
         name = None if value is None else _cache_type_name(value, what)
         if both is not None and name is not None and name != both:
-            raise SparqError(f"{what}={value!r} contradicts cache_type={cache_type!r}; pass one of them")
+            given = (f"{what} {value} contradicts {both_name} {cache_type}" if what.startswith("-") else
+                     f"{what}={value!r} contradicts {both_name}={cache_type!r}")  # an option, or an argument
+            raise SparqError(f"{given}; give one of them")
         out.append(name or both or "f16")
     return out[0], out[1]
 
 
-def _llama_class():
-    llama_cpp = lazy.llama_cpp()
-
-    class Llama(llama_cpp.Llama):
-        """llama_cpp.Llama with an `attention` setting: Dense(), SparQ(...), Loki(...) or ALISA(...), or the
-        same as a string in LLAMA_SPARSE_ATTN's syntax ("sparq:r=8,k=32", "loki:d=32,proj=m.loki.gguf",
-        "alisa:c=0.125", "dense"); or Auto(ratio=0.125) ("auto:ratio=0.125"): the setting with the best fidelity
-        the model's calibration measured within that budget (sparq_cpp.auto; `auto_choice` says which and why).
-
-        What a mode keeps in the cache (SparQ: a transposed copy of K and the V sums; Loki: keys in the
-        projection's basis; ALISA: a window of past attention weights) is decided when the context is
-        created, so pass the attention here; `set_attention` then changes the settings between decode
-        calls without recreating the context. The KV cache types are `cache_type` for both, or
-        llama-cpp-python's `type_k`/`type_v` (names or ggml type numbers): f32, f16 (default) or q8_0.
-        Errors are SparqError, a ValueError whose message names what is wrong.
-        """
-
-        def __init__(self, model_path: str | os.PathLike, attention: Attention | str | None = None, *,
-                     cache_type: str | None = None, **kwargs) -> None:
-            attention = parse_attention(attention) if isinstance(attention, str) else attention or Dense()
-            if not isinstance(attention, (Dense, SparQ, Loki, ALISA, Auto)):
-                raise SparqError(f"attention must be Dense(), SparQ(...), Loki(...), ALISA(...), Auto(...) or a string "
-                                 f"such as 'sparq:r=8,k=32', got {attention!r}")
-            summary = check_gguf(model_path)
-            self.auto_choice: str | None = None  # why Auto resolved to what it did
-            if isinstance(attention, Auto):
-                check_sparse(summary, "auto")
-                attention, self.auto_choice = auto.resolve(attention, model_path, summary,
-                                                           kwargs.get("n_ctx", 512) or summary.n_ctx_train)
-            sparse = not isinstance(attention, Dense)
-            if sparse:  # before the head size: a model may have no attention heads at all
-                check_sparse(summary, display_name(attention))
-            attention.check(summary.head_dim)
-            type_k, type_v = cache_types(cache_type, kwargs.pop("type_k", None), kwargs.pop("type_v", None))
-            kwargs.setdefault("verbose", False)
-            kwargs.update(type_k=CACHE_TYPES[type_k], type_v=CACHE_TYPES[type_v])
-            if isinstance(attention, Loki):
-                attention = check_loki_projection(attention, model_path)
-            if isinstance(attention, ALISA):
-                check_alisa(model_path)
-                n_ctx = kwargs.get("n_ctx", 512) or summary.n_ctx_train
-                check_alisa_memory(summary, -(-n_ctx // 256) * 256, attention.c)  # llama.cpp pads to 256 cells
-            if sparse:
-                if kwargs.get("flash_attn") is False:
-                    raise SparqError(f"{attention.name} needs flash attention (V stored row-major); "
-                                     "do not pass flash_attn=False")
-                kwargs["flash_attn"] = True
-                # the mode the context is created for, in llama_context_params (patches/bindings)
-                kwargs["sparse_attn"] = c_params(attention, creation=True)
-            check_context_memory(model_path, summary, attention,
-                                 n_ctx=kwargs.get("n_ctx", 512) or summary.n_ctx_train, type_k=type_k, type_v=type_v,
-                                 flash_attn=bool(kwargs.get("flash_attn")),
-                                 n_batch=kwargs.get("n_batch", 512), ubatch_size=kwargs.get("n_ubatch", 512))
-            try:
-                super().__init__(model_path=str(model_path), **kwargs)
-            except (ValueError, RuntimeError) as e:
-                raise SparqError(f"llama.cpp could not load {model_path} with {attention.name} attention: {e}") from None
-            self.summary: GGUFSummary = summary
-            self.cache_type_k, self.cache_type_v = type_k, type_v
-            self.cache_type: str | None = type_k if type_k == type_v else None  # None: K and V differ
-            self.attention = attention
-            self._alisa_window = isinstance(attention, ALISA)  # the context keeps ALISA's window of past weights
-            self._prompt_next = False  # set by generate: its next eval is the part of a prompt not cached
-
-        def generate(self, tokens, *args, **kwargs):
-            self._prompt_next = True  # the next eval is this prompt's (what llama_cpp did not find cached)
-            return super().generate(tokens, *args, **kwargs)
-
-        def eval(self, tokens) -> None:
-            """llama_cpp's eval, which first removes the cached positions from n_tokens on. An ALISA context
-            refuses to remove what its window cannot follow (the middle, or too much of the end): then the
-            kept tokens are processed again as a prompt, as llama-server does, before `tokens`.
-
-            A prompt that was all cached but its last token (llama_cpp's prefix reuse re-evaluates that one for
-            its logits) is evaluated with the token before it, as one batch: alone it would be a sparse decode
-            step where the first time the prompt batch attended densely, and the same request would give
-            another text (llama-server does the same)."""
-            if self._prompt_next:
-                self._prompt_next = False
-                if len(tokens) == 1 and self.n_tokens > 0 and not isinstance(self.attention, Dense):
-                    self.n_tokens -= 1
-                    tokens = [int(self.input_ids[self.n_tokens]), *tokens]
-            if self._alisa_window and not self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1):
-                keep = [int(t) for t in self.input_ids[: self.n_tokens]]
-                self._ctx.kv_cache_clear()
-                self.n_tokens = 0
-                if keep:
-                    super().eval(keep)
-            super().eval(tokens)
-            if not self._logits_all and tokens:
-                # llama-cpp-python 0.3.36 leaves `scores` unwritten without logits_all; earlier versions kept the
-                # last position's logits there, and reading that row would otherwise return stale memory
-                logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-                self.scores[self.n_tokens - 1, :] = logits
-
-        def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
-            """llama_cpp's tokenize, with a buffer sized by the text: llama-cpp-python sizes it by the model's
-            training context, 8 GiB for a file that claims 2^31 tokens. A text of n bytes has at most n + 2."""
-            lc = lazy.llama_cpp()
-            n_max = len(text) + 8
-            while True:
-                buf = (lc.llama_token * n_max)()
-                n = lc.llama_tokenize(self._model.vocab, text, len(text), buf, n_max, add_bos, special)
-                if n >= 0:
-                    return list(buf[:n])
-                if -n <= n_max:
-                    raise SparqError(f"llama.cpp could not tokenize the text ({n})")
-                n_max = -n
-
-        def close(self) -> None:
-            if hasattr(self, "_stack"):  # a constructor that raised leaves nothing to close
-                super().close()
-
-        def set_attention(self, attention: Attention | str) -> None:
-            """Change the attention between decode calls, without a new context (a settings object or a string
-            as in the constructor). Within what the context was created with: a SparQ context switches to other
-            SparQ settings or Dense(); a Loki context to other d, k, l (its basis stays) or Dense(); an ALISA
-            context to Dense() or a c no larger than the one it was created with; a dense context stays dense.
-            What the context cannot do is refused with SparqError."""
-            if isinstance(attention, str):
-                attention = parse_attention(attention)
-            attention.check(self.summary.head_dim)
-            sparse_api.set_params(self._ctx.ctx, c_params(attention))
-            self.attention = attention
-
-    return Llama
+def as_attention(attention) -> Attention | Auto:
+    """A settings object from what Llama and the commands take: one, a string in llama.cpp's syntax
+    (parse_attention), or None for Dense()."""
+    attention = parse_attention(attention) if isinstance(attention, str) else attention or Dense()
+    if not isinstance(attention, (Dense, SparQ, Loki, ALISA, Auto)):
+        raise SparqError(f"attention must be Dense(), SparQ(...), Loki(...), ALISA(...), Auto(...) or a string "
+                         f"such as 'sparq:r=8,k=32', got {attention!r}")
+    return attention
 
 
-if TYPE_CHECKING:  # what llama_class() makes, declared for type checkers and IDEs
-    import llama_cpp
+@dataclass(frozen=True)
+class Opening:
+    """A model file and the setting it is to be opened with, checked by prepare(): what sparq_cpp.Llama creates a
+    context with, and what `sparq-cpp serve` starts llama-server with."""
 
-    class Llama(llama_cpp.Llama):
-        summary: GGUFSummary
-        attention: Attention
-        cache_type: str | None
-        cache_type_k: str
-        cache_type_v: str
-
-        def __init__(self, model_path: str | os.PathLike, attention: Attention | str | None = None, *,
-                     cache_type: str | None = None, **kwargs: Any) -> None: ...
-
-        def set_attention(self, attention: Attention | str) -> None: ...
+    path: Path
+    summary: GGUFSummary
+    attention: Attention  # Auto resolved to its choice; Loki with the projection it will read
+    type_k: str
+    type_v: str
+    n_ctx: int  # the context of one sequence the setting was checked for (0 given: the model's training context)
+    auto_choice: str | None = None  # Auto: what it chose and why
 
 
-_LLAMA = None
+def prepare(model_path, attention=None, *, n_ctx: int, cache_type=None, type_k=None, type_v=None,
+            summary: GGUFSummary | None = None, cache_names=CACHE_ARGUMENT_NAMES) -> Opening:
+    """The one way a model is opened with a setting (sparq_cpp.Llama, `sparq-cpp serve`): every check a context
+    creation would fail on, once and before anything is loaded, with an error that names what is wrong. The
+    model file (check_gguf, unless `summary` is its result already), the setting against it (Auto resolved for
+    n_ctx positions of one sequence; n_ctx 0 is the model's training context), the cache types (cache_types, its
+    arguments named `cache_names`), Loki's projection and ALISA's refusal of sliding-window models."""
+    attention = as_attention(attention)
+    summary = check_gguf(model_path) if summary is None else summary
+    n_ctx = n_ctx or summary.n_ctx_train
+    auto_choice = None
+    if isinstance(attention, Auto):
+        check_sparse(summary, "auto")
+        attention, auto_choice = auto.resolve(attention, model_path, summary, n_ctx)
+    if not isinstance(attention, Dense):  # before the head size: a model may have no attention heads at all
+        check_sparse(summary, display_name(attention))
+    attention.check(summary.head_dim)
+    type_k, type_v = cache_types(cache_type, type_k, type_v, names=cache_names)
+    if isinstance(attention, Loki):
+        attention = check_loki_projection(attention, model_path)
+    if isinstance(attention, ALISA):
+        check_alisa(model_path)
+    return Opening(Path(model_path), summary, attention, type_k, type_v, n_ctx, auto_choice)
 
 
 def llama_class():
-    """The Llama class: a subclass of llama_cpp.Llama, made on first use so that importing sparq_cpp does
-    not need llama-cpp-python."""
-    global _LLAMA
-    if _LLAMA is None:
-        _LLAMA = _llama_class()
-        _LLAMA.__module__, _LLAMA.__qualname__ = __name__, "Llama"
-    return _LLAMA
+    """sparq_cpp.Llama (sparq_cpp.llama.Llama, a subclass of llama_cpp.Llama), imported on first use so that
+    importing sparq_cpp, or a command's --help, does not load libllama."""
+    return lazy.need("sparq_cpp.llama", "sparq_cpp.Llama").Llama
 
 
 def __getattr__(name):  # `from sparq_cpp.llm import Llama` gives the class itself

@@ -165,15 +165,15 @@ def test_auto_weighs_the_worst_domain(calibration, measured):
     with pytest.raises(SparqError, match="max_loss must be a number in"):
         Auto(ratio=0.125, max_loss=1.5)
     # generate's and serve's --max-loss (a share or a percentage) reach the same refusal
-    assert attention_from_options("auto", None, None, None, False, model=model, ratio="1/8",
+    assert attention_from_options("auto", model=model, ratio="1/8",
                                   max_loss="3.5%") == Auto(ratio=0.125, max_loss=0.035)
     res = run_cli("generate", "-m", str(model), "-n", "2", "-p", "hi", "--attn", "auto", "--ratio", "1/8",
                   "--max-loss", "0.035")
     assert res.returncode != 0 and "more than 0.035" in res.stderr and "Traceback" not in res.stderr, res.stderr
     with pytest.raises(SparqError, match="--max-loss is a bound of --attn auto"):
-        attention_from_options(None, 8, 32, None, False, max_loss="0.03")
+        attention_from_options(r=8, k=32, max_loss="0.03")
     with pytest.raises(SparqError, match="--max-loss must be in"):
-        attention_from_options("auto", None, None, None, False, max_loss="150%")
+        attention_from_options("auto", max_loss="150%")
 
 
 def test_older_calibrations_without_domains_still_choose(calibration, measured):

@@ -303,11 +303,11 @@ def test_bad_input_errors(models, tmp_path):
         e2e_config.validate(BenchConfig(**{**base, "plot_path": tmp_path}))
     with pytest.raises(SparqError, match="--mem-fraction"):
         e2e_config.validate(BenchConfig(**{**base, "mem_fraction": 0}))
-    with pytest.raises(SparqError, match="--l"):
+    with pytest.raises(SparqError, match="--sparse-l: SparQ's l"):
         e2e_config.validate(BenchConfig(**{**base, "k": 8, "l": 9}))
     with pytest.raises(SparqError, match="--fill"):
         e2e_config.validate(BenchConfig(**{**base, "fill": "magic"}))
-    with pytest.raises(SparqError, match="--loki-l"):
+    with pytest.raises(SparqError, match="--sparse-l: Loki's l"):
         e2e_config.validate(BenchConfig(**{**base, "k": 8, "l": 2, "loki_l": 9}))
     with pytest.raises(SparqError, match="--loki-pca: file not found"):
         e2e_config.validate(BenchConfig(**{**base, "loki_pca": tmp_path / "missing.gguf"}))

@@ -233,7 +233,7 @@ def test_generate_cli_with_loki(models):
     found = run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "16")
     assert found.returncode == 0 and f"loki    projection {proj} (next to the model" in found.stderr, found.stderr
     assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "0", "--loki-pca", str(proj)),
-                          "d must be >= 1")
+                          "Invalid value for '--d'")
     assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--d", "65", "--loki-pca", str(proj)),
                           "d must be in 1..64")
     assert_one_line_error(run_cli("generate", "--gguf", str(path), "-n", "2", "--r", "4", "--d", "16"),

@@ -270,6 +270,6 @@ def test_soft_capped_model_is_refused_by_the_stock_tool_and_the_cli(tmp_path):
     assert dense.returncode == 0, dense.stderr[-2000:]
     assert_refused(args, {"LLAMA_SPARSE_ATTN": "sparq:r=16,k=32"}, "soft-capping")
     proc = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "sparq-cpp"), "generate", "--gguf", str(path),
-                           "-n", "2", "--r", "16", "--k", "32"], capture_output=True, text=True, timeout=300)
+                           "-n", "2", "--sparq-r", "16", "--sparse-k", "32"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "soft-caps its attention logits" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
