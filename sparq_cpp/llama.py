@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
-
 from sparq_cpp import lazy
 from sparq_cpp.attention import ALISA, Attention, Auto, Dense, parse_attention
 from sparq_cpp.bindings import sparse_api
@@ -94,11 +92,6 @@ class Llama(llama_cpp.Llama):
             if keep:
                 super().eval(keep)
         super().eval(tokens)
-        if not self._logits_all and tokens:
-            # llama-cpp-python 0.3.36 leaves `scores` unwritten without logits_all; earlier versions kept the
-            # last position's logits there, and reading that row would otherwise return stale memory
-            logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-            self.scores[self.n_tokens - 1, :] = logits
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """llama_cpp's tokenize, with a buffer sized by the text: llama-cpp-python sizes it by the model's

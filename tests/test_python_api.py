@@ -124,30 +124,6 @@ def test_type_k_and_type_v_are_honoured(tiny, kwargs, want):
         llm.close()
 
 
-@pytest.mark.parametrize("attention", ["dense", "sparq:r=8,k=16"])
-def test_scores_hold_the_last_position_without_logits_all(tiny, attention):
-    """llama-cpp-python 0.3.36 writes `scores` only with logits_all; the last row is the last position's logits
-    either way (a fresh context's unwritten row is stale memory)."""
-    import numpy as np
-
-    from sparq_cpp import Llama
-
-    prompt = b"the quick brown fox jumps over the lazy dog " * 4
-    got, want = [], []
-    for out, logits_all in ((got, False), (want, True)):
-        llm = Llama(tiny, attention, n_ctx=128, logits_all=logits_all, seed=0)
-        try:
-            llm.eval(llm.tokenize(prompt))
-            out.append(np.array(llm.scores[llm.n_tokens - 1]))
-            for tok in (5, 9):  # decode steps
-                llm.eval([tok])
-                out.append(np.array(llm.scores[llm.n_tokens - 1]))
-        finally:
-            llm.close()
-    for a, b in zip(got, want):
-        assert np.isfinite(a).all() and np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-
-
 @pytest.mark.parametrize("kwargs,message", [
     ({"type_k": 2}, "type_k=2: sparq-cpp runs f32, f16 and q8_0 caches"),
     ({"type_v": "q4_0"}, "type_v='q4_0': sparq-cpp runs f32, f16 and q8_0 caches"),
