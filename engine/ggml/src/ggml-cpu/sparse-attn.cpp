@@ -2077,10 +2077,10 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
                 nruns[c] = -1;
             }
 
-            // phase 1 work items of this thread
+            // phase 1 work items of this thread, every nth: the visible cells of a row may be a few neighbouring
+            // chunks (a sequence's own cells in a cache that several share), which one contiguous share of the
+            // chunks would give to one thread
             const int64_t n_items = loki ? n_chunk : ctx.n_head_kv*n_chunk;
-            const int64_t it0 = (n_items*ith)/nth;
-            const int64_t it1 = (n_items*(ith + 1))/nth;
 
             if (ith == 0) {
                 GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_SELECT, ggml_sparse_attn_select_local(ctx, ith, mp, pp,
@@ -2088,12 +2088,12 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
                         ctx.shared<int32_t>(ctx.l.sink_cells)));
             }
 
-            if (loki && it0 < it1) {
+            if (loki && ith < n_items) {
                 GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_prepare_loki(ctx, ith, iq1, iq3));
             }
 
             int64_t h_prep = -1;
-            for (int64_t it = it0; it < it1; ++it) {
+            for (int64_t it = ith; it < n_items; it += nth) {
                 if (loki) {
                     GGML_SPARSE_ATTN_PHASE(GGML_SPARSE_ATTN_RANK, ggml_sparse_attn_phase1_loki(ctx, ith, iq3, it, mp));
                     continue;
@@ -2113,7 +2113,7 @@ static void ggml_sparse_attn_forward_per_chunk(ggml_sparse_attn_ctx & ctx, const
             ctx.local_last  = ctx.shared<ggml_sparse_attn_cand>(ctx.l.local_last);
             ctx.sink_cells  = ctx.shared<int32_t>(ctx.l.sink_cells);
 
-            // mostly the heads that this thread has scored in phase 1
+            // phase 2: the kv heads, a contiguous share per thread
             for (int64_t h = (ctx.n_head_kv*ith)/nth; h < (ctx.n_head_kv*(ith + 1))/nth; ++h) {
                 int64_t n_sel = 0;
                 bool selected;
