@@ -246,6 +246,13 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     log(f"machine   {info['cpu_model']}, {info['cores_usable']} cores, {fmt_bytes(info['mem_total_bytes'] or 0)} RAM; "
         f"{cfg.threads} threads; build {build['key'] if build else 'none recorded'}")
     log(f"documents {text_what}")
+    need = slot_tokens(cfg, max(cfg.depths))
+    if shape.n_ctx_train and need > shape.n_ctx_train:  # llama-server caps a slot's context there
+        fits = shape.n_ctx_train - (need - max(cfg.depths))
+        raise SparqError(f"--depth {fmt_depth(max(cfg.depths))} with {cfg.turns} turn(s) of {cfg.max_tokens} tokens "
+                         f"needs {need} tokens of context per user, more than the {shape.n_ctx_train} the model was "
+                         f"trained on (llama-server's limit for a slot): use --depth {fits} or less, or fewer --turns "
+                         f"or --max-tokens")
     phases = [(d, n, m) for d in cfg.depths for n in cfg.users for m in cfg.modes]
     avail = machine.mem_available()
     for d, n, m in phases:

@@ -210,6 +210,7 @@ def test_a_cancelled_user_closes_its_stream(stub):
     (["--turns", "0"], "--turns: must be >= 1"),
     (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
     (["--text", "/nonexistent/book.txt"], "--text: file not found"),
+    (["--depth", "1024k"], "tokens of context per user, more than the"),
 ])
 def test_bad_settings_are_refused_before_anything_starts(args, message):
     res = CliRunner().invoke(cli, ["bench", "serve", *args])
