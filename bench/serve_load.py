@@ -201,12 +201,35 @@ def proc_status(pid: int) -> dict:
     return out
 
 
+def process_tree(pid: int) -> list:
+    """pid and its descendants (`sparq-cpp serve` is a Python process whose child is llama-server)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def tree_status(pid: int) -> dict:
+    """proc_status of the process of pid's tree with the highest peak RSS: the server, not its wrapper."""
+    return max((proc_status(p) for p in process_tree(pid)), key=lambda st: st.get("VmHWM", 0), default={})
+
+
 def proc_cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return None
+    """CPU seconds (user + system) of pid and its descendants, None if pid is gone."""
+    total = None
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total = (total or 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def _estimate(cfg, shape, mode: ServeMode, users: int, depth: int) -> dict:
@@ -283,7 +306,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                 bar.set_postfix_str(f"{tag}: turn 1")
                 replies, t0, wall = run_phase(cfg, server, convs, bar, tag)
                 cpu1 = proc_cpu_seconds(server.proc.pid)
-                status = proc_status(server.proc.pid)
+                status = tree_status(server.proc.pid)
                 others = mon.foreign_share()
                 if others is not None and cpu0 is not None and cpu1 is not None:
                     others = max(0.0, others - (cpu1 - cpu0) / max(wall * (os.cpu_count() or 1), 1e-9))

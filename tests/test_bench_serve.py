@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +18,7 @@ from click.testing import CliRunner
 pytest.importorskip("httpx")
 from sparq_cpp.bench.serve_client import (Conversation, Reply, minus, run_users, stream_chat, summarize,
                                              union_seconds)  # noqa: E402
+from sparq_cpp.bench import serve_load  # noqa: E402
 from sparq_cpp.bench.serve_load import failures  # noqa: E402
 from sparq_cpp.bindings import sparse_api  # noqa: E402
 from sparq_cpp.cli.main import cli  # noqa: E402
@@ -250,3 +253,20 @@ def test_smollm2_users_and_modes(tmp_path):
     # SparQ's transposed K copy: half the f16 K and V caches again, per user
     assert rows[("sparq", 4)]["kv_bytes_per_user"] == 3 * rows[("dense", 4)]["kv_bytes_per_user"] // 2
     assert "decode" in proc.stdout and "sparq" in proc.stdout
+
+
+def test_peak_memory_and_cpu_are_the_servers_not_its_wrappers():
+    """`sparq-cpp serve` is a Python process whose child is llama-server: the bench reads the whole tree."""
+    child = "x = bytearray(200 << 20); x[::4096] = b'x' * len(x[::4096]); import time; time.sleep(5)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"])
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and serve_load.tree_status(parent.pid).get("VmHWM", 0) < 200 << 20:
+            time.sleep(0.1)
+        assert len(serve_load.process_tree(parent.pid)) == 2
+        assert serve_load.tree_status(parent.pid)["VmHWM"] >= 200 << 20 > serve_load.proc_status(parent.pid)["VmHWM"]
+        assert serve_load.proc_cpu_seconds(parent.pid) > 0
+    finally:
+        for pid in reversed(serve_load.process_tree(parent.pid)):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+        parent.wait()
