@@ -13,7 +13,6 @@ holding `data.tar.xz`, and the texts are character vectors in an R lazy-load dat
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
@@ -22,6 +21,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from sparq_cpp.cache import sha256_file
 from sparq_cpp.errors import SparqError
 from sparq_cpp.train.rdata import lazyload_objects
 
@@ -39,10 +39,6 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "corpus"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def fetch(deb: str | Path | None = None) -> Path:
     """The pinned .deb in the cache, downloaded with apt-get if needed; SparqError if unobtainable."""
     target = cache_dir() / DEB_NAME
@@ -50,11 +46,11 @@ def fetch(deb: str | Path | None = None) -> Path:
         deb = Path(deb)
         if not deb.is_file():
             raise SparqError(f"--deb: file not found: {deb}")
-        if _sha256(deb) != DEB_SHA256:
+        if sha256_file(deb) != DEB_SHA256:
             raise SparqError(f"--deb: {deb} is not {DEB_NAME} (sha256 differs)")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(deb, target)
-    if target.is_file() and _sha256(target) == DEB_SHA256:
+    if target.is_file() and sha256_file(target) == DEB_SHA256:
         return target
     if shutil.which("apt-get") is None:
         raise SparqError(f"cannot fetch the corpus: apt-get not found; download {DEB_NAME} from a Debian "
@@ -68,7 +64,7 @@ def fetch(deb: str | Path | None = None) -> Path:
             msg = (r.stderr or r.stdout).strip().splitlines()
             raise SparqError(f"apt-get download {PACKAGE}={VERSION} failed: {msg[-1] if msg else r.returncode} "
                              f"(run `apt-get update` first, or pass the .deb with --deb)")
-        if _sha256(got) != DEB_SHA256:
+        if sha256_file(got) != DEB_SHA256:
             raise SparqError(f"downloaded {DEB_NAME} has an unexpected sha256; not using it")
         os.replace(got, target)
     return target
