@@ -54,8 +54,8 @@ class Reply:
         return int(self.timings.get("predicted_n", len(self.token_times)))
 
     def as_dict(self, t0: float = 0.0) -> dict:
-        """For the JSON: times relative to t0, the text left out (its length kept)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("text", "token_times")}
+        """For the JSON: times relative to t0, the gaps between tokens rather than their times."""
+        d = {k: v for k, v in asdict(self).items() if k != "token_times"}
         for k in ("t_send", "t_first", "t_end"):
             d[k] = None if d[k] is None else d[k] - t0
         d["text_chars"] = len(self.text)
@@ -218,6 +218,9 @@ def summarize(replies: list, wall_s: float) -> dict:
     output_tokens_per_s: every generated token over the phase's wall time (prompts included).
     prompt_tokens_per_s: the prompt tokens the server processed (cached ones left out) over the time some request
     waited for its first token.
+    itl_decode_only_s: the inter-token gaps during which no request waited for its first token: decode steps with
+    no prompt in the server's batch, where a stall of the cache's upkeep or of a restore would show (a gap beside
+    a prompt is that prompt's processing, which llama-server batches with the decoding slots).
     """
     ok = [r for r in replies if r.ok]
     failed = [{"user": r.user, "turn": r.turn, "status": r.status, "error": r.error} for r in replies if not r.ok]
@@ -233,6 +236,10 @@ def summarize(replies: list, wall_s: float) -> dict:
     quiet_tokens = sum(any(a < t <= b for a, b in quiet) for r in timed for t in r.token_times[1:])
     gaps = [g for r in timed for g in r.gaps]
     itl = percentiles(gaps, (50, 99))
+    waits = merged(prompt_windows)
+    alone = [b - a for r in timed for a, b in zip(r.token_times, r.token_times[1:])
+             if not any(h0 < b and a < h1 for h0, h1 in waits)]
+    itl_alone = percentiles(alone, (50, 99))
     with_timings = [r for r in ok if "cache_n" in r.timings]
     followups = [r for r in with_timings if r.turn > 0]
     turns = sorted({r.turn for r in timed})
@@ -248,6 +255,9 @@ def summarize(replies: list, wall_s: float) -> dict:
         "ttft_by_turn_s": {str(t): percentiles([r.ttft for r in timed if r.turn == t], (50, 95)) for t in turns},
         "itl_s": itl,
         "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl and itl["p50"] > 0 else None,
+        "itl_decode_only_s": itl_alone,
+        "itl_decode_only_p99_over_p50": (itl_alone["p99"] / itl_alone["p50"] if itl_alone and itl_alone["p50"] > 0
+                                         else None),
         "prompt_tokens": prompt_n, "prompt_tokens_cached": cache_n,
         "prompt_tokens_per_s": prompt_n / prompt_time if prompt_time > 0 and prompt_n else None,
         "prompt_cache": {

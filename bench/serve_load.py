@@ -7,6 +7,9 @@ server's own tokens), a first turn that asks about it, then follow-up turns that
 which the server takes from the slot's prompt cache. Answers are streamed at temperature 0, every one
 --max-tokens long (end of text ignored), so that every mode decodes the same number of tokens.
 
+After the N users, each conversation runs again alone on the same server (its document from its slot's cache), and
+the report says whether temperature 0 gave every user the texts it got among the others.
+
 Per (depth, N, mode) the report gives aggregate decode tokens/s (also over the time no prompt waited), TTFT p50/p95, inter-token latency p50/p99,
 prompt tokens/s, the server's peak RSS (VmHWM), the caches one user costs (the serve estimate), and the share of
 requests served from the prompt cache, with every failed request and its error. The server restarts for every
@@ -87,6 +90,7 @@ class ServeBenchConfig:
     plot_path: Path | None = None
     log_dir: Path | None = None
     progress: bool = True
+    alone: bool = True  # replay each user alone after the N together and compare the texts
 
 
 def _items(text) -> list:
@@ -255,6 +259,30 @@ def run_phase(cfg, server: ServerProcess, convs: list, bar, tag: str) -> tuple:
                                  timeout_s=cfg.request_timeout, on_reply=on_reply))
 
 
+def same_as_alone(cfg, base_url: str, convs: list, replies: list, bar, tag: str) -> dict:
+    """Each conversation again, alone on the same server (llama-server takes its document from the slot that holds
+    it): whether temperature 0 gives each user the texts it got while the others decoded in the same batch. A turn
+    whose text differs is kept with the character where it starts to differ; an alone request that failed is kept
+    with its error."""
+    together = {(r.user, r.turn): r.text for r in replies if r.ok}
+    compared, differ, failed = 0, [], []
+    for i, conv in enumerate(convs):
+        bar.set_postfix_str(f"{tag}: user {i + 1} of {len(convs)} alone")
+        got, _, _ = asyncio.run(run_users(base_url, [conv], max_tokens=cfg.max_tokens, timeout_s=cfg.request_timeout))
+        for r in got:
+            if not r.ok:
+                failed.append({"user": r.user, "turn": r.turn, "status": r.status, "error": f"alone: {r.error}"})
+                continue
+            if (r.user, r.turn) not in together:
+                continue
+            compared += 1
+            a, b = together[(r.user, r.turn)], r.text
+            if a != b:
+                at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                differ.append({"user": r.user, "turn": r.turn, "at_char": at, "together": a, "alone": b})
+    return {"compared": compared, "identical": compared - len(differ), "differ": differ, "errors": failed}
+
+
 def run(cfg: ServeBenchConfig, log=print) -> dict:
     """The sweep: per depth, number of users and mode, a server and its users; the JSON document (written to
     --json, plotted to --plot). A failed request is counted and kept with its error; the run then ends with a
@@ -310,6 +338,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                 others = mon.foreign_share()
                 if others is not None and cpu0 is not None and cpu1 is not None:
                     others = max(0.0, others - (cpu1 - cpu0) / max(wall * (os.cpu_count() or 1), 1e-9))
+                alone = same_as_alone(cfg, f"http://127.0.0.1:{server.port}", convs, replies, bar, tag) if cfg.alone and users > 1 else None
                 argv = serve_argv(cfg, mode, users, depth)(server.port)
                 notes = [ln for ln in server.text().splitlines() if ln.startswith(("threads ", "memory: ", "warning"))]
             finally:
@@ -322,7 +351,8 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                                     for r in first],
                    "peak_rss_bytes": status.get("VmHWM"), "kv_bytes_per_user": est["per_user"],
                    "memory_estimate": est, "sparse_attn": attn, "server_command": argv[3:], "server_notes": notes,
-                   "other_processes_cpu_share": others, "replies": [r.as_dict(t0) for r in replies]}
+                   "other_processes_cpu_share": others, "same_as_alone": alone,
+                   "replies": [r.as_dict(t0) for r in replies]}
             results.append(rec)
             log(phase_line(rec))
     finally:
@@ -347,7 +377,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
 
 def failures(doc: dict) -> str | None:
     """A line naming the failed requests of a run, None when every request succeeded."""
-    bad = [(r, e) for r in doc["results"] for e in r["errors"]]
+    bad = [(r, e) for r in doc["results"] for e in r["errors"] + ((r.get("same_as_alone") or {}).get("errors") or [])]
     if not bad:
         return None
     total = sum(r["requests"] for r in doc["results"])
@@ -362,13 +392,20 @@ def _ms(x) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}" if x < 0.01 else f"{1e3 * x:.0f}"
 
 
+def _alone(r: dict) -> str:
+    a = r.get("same_as_alone")
+    return "-" if not a else f"{a['identical']}/{a['compared']}"
+
+
 def phase_line(r: dict) -> str:
-    t, i = r["ttft_s"], r["itl_s"]
+    t, i, q = r["ttft_s"], r["itl_s"], r.get("itl_decode_only_s") or {}
     dec, quiet = r["decode_tokens_per_s"], r["decode_only_tokens_per_s"]
     return (f"{r['mode']} S={fmt_depth(r['depth'])} users={r['users']}: decode "
             f"{'-' if dec is None else f'{dec:.1f}'} tok/s ({'-' if quiet is None else f'{quiet:.1f}'} with no prompt "
             f"waiting), TTFT p50 {_ms(t.get('p50'))} ms, ITL p50/p99 "
-            f"{_ms(i.get('p50'))}/{_ms(i.get('p99'))} ms, peak RSS {fmt_bytes(r['peak_rss_bytes'] or 0)}"
+            f"{_ms(i.get('p50'))}/{_ms(i.get('p99'))} ms ({_ms(q.get('p50'))}/{_ms(q.get('p99'))} with no prompt "
+            f"waiting), peak RSS {fmt_bytes(r['peak_rss_bytes'] or 0)}"
+            + (f", same texts as alone {_alone(r)}" if r.get("same_as_alone") else "")
             + (f", {r['failed']} failed" if r["failed"] else ""))
 
 
@@ -377,21 +414,25 @@ def format_table(doc: dict) -> str:
     cfg = doc["config"]
     lines = [f"{Path(m['path']).name}: {mach['cpu_model']}, {mach['threads']} threads; {cfg['turns']} turns of "
              f"{cfg['max_tokens']} tokens per user, streamed",
-             "decode: tokens/s of all users together while decoding (no-prompt: while no prompt waited); TTFT/ITL in ms; prompt: tokens/s processed; "
-             "cached: share of follow-up requests served from the prompt cache; KV/user: the caches one slot holds",
-             f"{'S':>5} {'users':>5}  {'mode':<11} {'decode':>7} {'no-prompt':>9} {'TTFT p50':>8} {'p95':>7} {'ITL p50':>7} "
-             f"{'p99':>6} {'p99/p50':>7} {'prompt':>7} {'cached':>6} {'peak RSS':>10} {'KV/user':>9} {'failed':>6}"]
+             "decode: tokens/s of all users together while decoding (no-prompt: while no prompt waited); TTFT/ITL in "
+             "ms (ITL np: the gaps while no prompt waited); prompt: tokens/s processed; cached: share of follow-up "
+             "requests served from the prompt cache; KV/user: the caches one slot holds; alone: replies whose text "
+             "each user got again alone",
+             f"{'S':>5} {'users':>5}  {'mode':<11} {'decode':>7} {'no-prompt':>9} {'TTFT p50':>8} {'p95':>7} "
+             f"{'ITL p50':>7} {'p99':>6} {'p99/p50':>7} {'np p99/p50':>10} {'prompt':>7} {'cached':>6} "
+             f"{'peak RSS':>10} {'KV/user':>9} {'alone':>6} {'failed':>6}"]
     for r in doc["results"]:
         t, i, pc = r["ttft_s"], r["itl_s"], r["prompt_cache"]
         dec, pr, ratio = r["decode_tokens_per_s"], r["prompt_tokens_per_s"], r["itl_p99_over_p50"]
-        quiet = r["decode_only_tokens_per_s"]
+        quiet, qratio = r["decode_only_tokens_per_s"], r.get("itl_decode_only_p99_over_p50")
         cached = pc["followups_from_cache"]
         lines.append(
             f"{fmt_depth(r['depth']):>5} {r['users']:>5}  {r['mode']:<11} {'-' if dec is None else f'{dec:.1f}':>7} "
-            f"{'-' if quiet is None else f'{quiet:.1f}':>9} {_ms(t.get('p50')):>8} {_ms(t.get('p95')):>7} {_ms(i.get('p50')):>7} {_ms(i.get('p99')):>6} "
-            f"{'-' if ratio is None else f'{ratio:.2f}':>7} {'-' if pr is None else f'{pr:.0f}':>7} "
+            f"{'-' if quiet is None else f'{quiet:.1f}':>9} {_ms(t.get('p50')):>8} {_ms(t.get('p95')):>7} "
+            f"{_ms(i.get('p50')):>7} {_ms(i.get('p99')):>6} {'-' if ratio is None else f'{ratio:.2f}':>7} "
+            f"{'-' if qratio is None else f'{qratio:.2f}':>10} {'-' if pr is None else f'{pr:.0f}':>7} "
             f"{'-' if cached is None else f'{100 * cached:.0f}%':>6} {fmt_bytes(r['peak_rss_bytes'] or 0):>10} "
-            f"{fmt_bytes(r['kv_bytes_per_user']):>9} {r['failed']:>6}")
+            f"{fmt_bytes(r['kv_bytes_per_user']):>9} {_alone(r):>6} {r['failed']:>6}")
     return "\n".join(lines)
 
 

@@ -143,16 +143,20 @@ def compare_command(run_a, run_b, tolerance):
               help="Write a PNG: decode tokens/s and inter-token p99 against users (default with -o: beside it).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Keep each server's log here (server-PORT.log).")
+@click.option("--alone/--no-alone", default=True, show_default=True,
+              help="After the users together, run each conversation again alone on the same server and report "
+                   "whether every reply's text is the same (temperature 0).")
 @progress_option
 @attention_options(*BENCH_OPTIONS)
 def serve_command(model, users, depths, modes, turns, max_tokens, threads, text, request_timeout, json_path, plot_path,
-                  log_dir, progress, r, d, k, l, sink, mean_value, loki_pca):
+                  log_dir, alone, progress, r, d, k, l, sink, mean_value, loki_pca):
     """Load the OpenAI-compatible server (started through `sparq-cpp serve`, once per number of users and mode)
     with concurrent users, each in its own streamed conversation over its own long document, follow-up turns
     reusing the prompt cache. Reports per mode and number of users: aggregate decode tokens/s, time to first
     token p50/p95, inter-token latency p50/p99, prompt tokens/s, the server's peak RSS, the caches one user
-    costs and the share of requests served from the prompt cache. A failed request is reported with the
-    server's error and fails the run (after the JSON is written)."""
+    costs and the share of requests served from the prompt cache; then, with --alone, whether each user gets the
+    same texts alone. A failed request is reported with the server's error and fails the run (after the JSON is
+    written)."""
     sparse = []  # passed on to `sparq-cpp serve` under the same names
     for flag, value in (("--sparq-r", r), ("--sparse-k", k), ("--sparse-l", l), ("--sparse-sink", sink),
                         ("--loki-d", d), ("--loki-pca", loki_pca)):
@@ -167,7 +171,7 @@ def serve_command(model, users, depths, modes, turns, max_tokens, threads, text,
     cfg = serve_load.ServeBenchConfig(
         model=None, users=users, depths=depths, modes=modes, turns=turns, max_tokens=max_tokens,
         threads=threads, text=text, sparse=tuple(sparse), request_timeout=request_timeout, json_path=json_path,
-        plot_path=plot_path, log_dir=log_dir, progress=progress_enabled(progress))
+        plot_path=plot_path, log_dir=log_dir, progress=progress_enabled(progress), alone=alone)
     cfg = dataclasses.replace(serve_load.validate(cfg), model=resolve_model(model))  # settings first, then the model
     doc = serve_load.run(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(serve_load.format_table(doc))

@@ -41,7 +41,9 @@ class _Stub(BaseHTTPRequestHandler):
     /ok: a role chunk after `first` s, then 4 tokens `gap` s apart, timings with cache_n = the prompt's turns - 1;
     /http400: an error body; /midstream: a token, then an error event; /cut: a token, then the connection closes;
     /slow: a token every 0.1 s until the client goes away (then the server's `gone` event is set);
-    /mixed: a user whose message holds FAIL gets HTTP 500, the others /ok."""
+    /mixed: a user whose message holds FAIL gets HTTP 500, the others /ok;
+    /busy: as /ok, but the last two tokens are " x2 x3" when another request was in flight as this one started
+    (a server whose batch changes the text)."""
     first, gap = 0.2, 0.05
 
     def log_message(self, *args):
@@ -58,6 +60,18 @@ class _Stub(BaseHTTPRequestHandler):
         self.server.bodies.append(body)
         if kind == "mixed":
             kind = "http500" if "FAIL" in body["messages"][0]["content"] else "ok"
+        with self.server.lock:
+            self.server.inflight += 1
+        try:
+            time.sleep(0.05)  # every request of a burst is in flight before any looks
+            with self.server.lock:
+                company = self.server.inflight > 1
+            self._answer(kind, body, company)
+        finally:
+            with self.server.lock:
+                self.server.inflight -= 1
+
+    def _answer(self, kind, body, company):
         if kind in ("http400", "http500"):
             code = int(kind[4:])
             data = json.dumps({"error": {"code": code, "message": "the request exceeds the available context size",
@@ -69,13 +83,13 @@ class _Stub(BaseHTTPRequestHandler):
             self.wfile.write(data)
             return
         self._sse_head()
-        if kind == "ok":
+        if kind in ("ok", "busy"):
             time.sleep(self.first)
             self.wfile.write(_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}))
             for i in range(4):
                 if i:
                     time.sleep(self.gap)
-                self.wfile.write(_token(f" w{i}"))
+                self.wfile.write(_token(f" x{i}" if kind == "busy" and company and i >= 2 else f" w{i}"))
             turns = sum(m["role"] == "user" for m in body["messages"])
             timings = {**TIMINGS, "cache_n": 90 * (turns - 1), "prompt_n": 100 if turns == 1 else 12}
             self.wfile.write(_event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
@@ -100,6 +114,7 @@ def stub():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     server.daemon_threads = True
     server.bodies, server.gone = [], threading.Event()
+    server.lock, server.inflight = threading.Lock(), 0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -151,6 +166,11 @@ def test_latency_accounting_on_known_timings():
     assert s["ttft_by_turn_s"]["1"]["p50"] == pytest.approx(0.2)
     # gaps: 0.5, 0.5 (a), 0.5 x 3 (b), 0.2 (c)
     assert s["itl_s"]["n"] == 6 and s["itl_s"]["p50"] == pytest.approx(0.5) and s["itl_s"]["max"] == pytest.approx(0.5)
+    # the gaps no prompt window ([0, 1.5], [2.2, 2.4]) overlaps: a's [1.5, 2.0], b's [1.5, 2.0] and [2.5, 3.0], c's
+    # [2.4, 2.6] (it starts as c's own prompt window ends)
+    q = s["itl_decode_only_s"]
+    assert q["n"] == 4 and q["p50"] == pytest.approx(0.5) and q["max"] == pytest.approx(0.5)
+    assert s["itl_decode_only_p99_over_p50"] == pytest.approx(q["p99"] / 0.5)
     # prompt: 2010 tokens processed while some request waited for its first token: [0, 1.5] + [2.2, 2.4]
     assert s["prompt_tokens_per_s"] == pytest.approx(2010 / 1.7)
     assert s["prompt_cache"] == {"requests_from_cache": pytest.approx(1 / 3), "followups_from_cache": 1.0,
@@ -184,6 +204,28 @@ def test_a_failed_turn_is_counted_and_the_other_users_go_on(stub):
     doc = {"results": [{"mode": "sparq", "depth": 4096, "users": 3, **s}]}
     assert failures(doc) == ("1 of 5 requests failed; the first: sparq S=4k users=3, user 1 turn 1: "
                              "HTTP 500: the request exceeds the available context size")
+
+
+def test_each_user_alone_is_compared_with_the_users_together(stub):
+    """Two users at once on a server whose batch changes the text: each differs from its replay alone, at the
+    character where the first changed token starts; one user alone is the same as itself."""
+    server, base = stub
+    convs = [Conversation(0, ["doc A"]), Conversation(1, ["doc B"])]
+    replies, _, _ = asyncio.run(run_users(f"{base}/busy", convs, max_tokens=4, timeout_s=10))
+    assert all(r.text == " w0 w1 x2 x3" for r in replies), [r.text for r in replies]
+    cfg = serve_load.ServeBenchConfig(model=None, max_tokens=4, request_timeout=10)
+    bar = serve_load.tqdm(disable=True)
+    got = serve_load.same_as_alone(cfg, f"{base}/busy", convs, replies, bar, "t")
+    assert (got["compared"], got["identical"], got["errors"]) == (2, 0, [])
+    assert [(d["user"], d["turn"], d["at_char"], d["alone"]) for d in got["differ"]] == [
+        (0, 0, 7, " w0 w1 w2 w3"), (1, 0, 7, " w0 w1 w2 w3")]
+    alone, _, _ = asyncio.run(run_users(f"{base}/busy", convs[:1], max_tokens=4, timeout_s=10))
+    same = serve_load.same_as_alone(cfg, f"{base}/busy", convs[:1], alone, bar, "t")
+    assert (same["compared"], same["identical"], same["differ"]) == (1, 1, [])
+    doc = {"results": [{"mode": "sparq", "depth": 4096, "users": 2, "requests": 2, "errors": [],
+                        "same_as_alone": {**got, "errors": [{"user": 1, "turn": 0, "status": 500,
+                                                             "error": "alone: HTTP 500: boom"}]}}]}
+    assert failures(doc) == "1 of 2 requests failed; the first: sparq S=4k users=2, user 1 turn 1: alone: HTTP 500: boom"
 
 
 def test_a_cancelled_user_closes_its_stream(stub):
@@ -250,6 +292,10 @@ def test_smollm2_users_and_modes(tmp_path):
         assert r["peak_rss_bytes"] > 0 and r["kv_bytes_per_user"] > 0
         assert (r["sparse_attn"].get("mode") or "dense") == mode
         assert len(r["replies"]) == 2 * users
+        assert 0 < r["itl_decode_only_s"]["p50"] <= r["itl_decode_only_s"]["p99"]
+        if users > 1:  # every reply replayed alone and compared (the count of identical texts is the measurement)
+            a = r["same_as_alone"]
+            assert a["compared"] == 2 * users and a["errors"] == [] and a["identical"] == a["compared"] - len(a["differ"])
     # SparQ's transposed K copy: half the f16 K and V caches again, per user
     assert rows[("sparq", 4)]["kv_bytes_per_user"] == 3 * rows[("dense", 4)]["kv_bytes_per_user"] // 2
     assert "decode" in proc.stdout and "sparq" in proc.stdout
