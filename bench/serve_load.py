@@ -182,9 +182,26 @@ def conversations(docs: list, turns: int) -> list:
 
 # ---- the server ------------------------------------------------------------------------------
 
+# the sparse options that belong to one method (serve refuses another method's); the others go to both
+METHOD_OPTIONS = {"--sparq-r": "sparq", "--mean-value": "sparq", "--no-mean-value": "sparq", "--loki-d": "loki",
+                  "--loki-pca": "loki"}
+
+
+def mode_options(sparse: tuple, kind: str) -> list:
+    """The options of `sparse` (flags, each with its value unless it is a switch) that a mode of this kind takes."""
+    out, i = [], 0
+    while i < len(sparse):
+        flag = sparse[i]
+        n = 1 if flag in ("--mean-value", "--no-mean-value") else 2
+        if kind != "dense" and METHOD_OPTIONS.get(flag, kind) == kind:
+            out += sparse[i:i + n]
+        i += n
+    return out
+
+
 def serve_argv(cfg: ServeBenchConfig, mode: ServeMode, users: int, depth: int):
     """argv(port) of `sparq-cpp serve` for a mode, N slots of the slot context."""
-    sparse = list(cfg.sparse) if mode.kind != "dense" else []
+    sparse = mode_options(tuple(cfg.sparse), mode.kind)
     n_ctx = users * slot_tokens(cfg, depth)
     return lambda port: [sys.executable, "-m", "sparq_cpp.cli.main", "serve", "-m", str(cfg.model),
                          "--port", str(port), "-c", str(n_ctx), "-np", str(users), "-t", str(cfg.threads),

@@ -262,6 +262,13 @@ def test_bad_settings_are_refused_before_anything_starts(args, message):
     assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, res.output
 
 
+def test_each_mode_gets_its_methods_options():
+    sparse = ("--sparq-r", "8", "--sparse-k", "64", "--no-mean-value", "--loki-pca", "/p.gguf", "--loki-d", "16")
+    assert serve_load.mode_options(sparse, "sparq") == ["--sparq-r", "8", "--sparse-k", "64", "--no-mean-value"]
+    assert serve_load.mode_options(sparse, "loki") == ["--sparse-k", "64", "--loki-pca", "/p.gguf", "--loki-d", "16"]
+    assert serve_load.mode_options(sparse, "dense") == []
+
+
 def test_the_end_to_end_bench_options_do_not_reach_serve():
     res = CliRunner().invoke(cli, ["bench", "--depths", "1k", "serve"])
     assert res.exit_code == 2 and "--depths belongs to `sparq-cpp bench` itself" in res.output, res.output
