@@ -18,7 +18,7 @@ from click.testing import CliRunner
 pytest.importorskip("httpx")
 from sparq_cpp.bench.serve_client import (Conversation, Reply, minus, run_users, stream_chat, summarize,
                                              union_seconds)  # noqa: E402
-from sparq_cpp.bench import serve_load  # noqa: E402
+from sparq_cpp.bench import serve_load, serve_table  # noqa: E402
 from sparq_cpp.bench.serve_load import failures  # noqa: E402
 from sparq_cpp.bindings import sparse_api  # noqa: E402
 from sparq_cpp.cli.main import cli  # noqa: E402
@@ -42,7 +42,7 @@ class _Stub(BaseHTTPRequestHandler):
     /http400: an error body; /midstream: a token, then an error event; /cut: a token, then the connection closes;
     /slow: a token every 0.1 s until the client goes away (then the server's `gone` event is set);
     /mixed: a user whose message holds FAIL gets HTTP 500, the others /ok;
-    /busy: as /ok, but the last two tokens are " x2 x3" when another request was in flight as this one started
+    /busy: as /ok, but the last two tokens are " x2 x3" when another request was in flight at some time before them
     (a server whose batch changes the text)."""
     first, gap = 0.2, 0.05
 
@@ -60,18 +60,18 @@ class _Stub(BaseHTTPRequestHandler):
         self.server.bodies.append(body)
         if kind == "mixed":
             kind = "http500" if "FAIL" in body["messages"][0]["content"] else "ok"
-        with self.server.lock:
-            self.server.inflight += 1
+        me = {"company": False}
+        with self.server.lock:  # a request that overlaps another in time has company, both of them
+            for other in self.server.active:
+                other["company"] = me["company"] = True
+            self.server.active.append(me)
         try:
-            time.sleep(0.05)  # every request of a burst is in flight before any looks
-            with self.server.lock:
-                company = self.server.inflight > 1
-            self._answer(kind, body, company)
+            self._answer(kind, body, me)
         finally:
             with self.server.lock:
-                self.server.inflight -= 1
+                self.server.active[:] = [x for x in self.server.active if x is not me]
 
-    def _answer(self, kind, body, company):
+    def _answer(self, kind, body, me):
         if kind in ("http400", "http500"):
             code = int(kind[4:])
             data = json.dumps({"error": {"code": code, "message": "the request exceeds the available context size",
@@ -89,7 +89,7 @@ class _Stub(BaseHTTPRequestHandler):
             for i in range(4):
                 if i:
                     time.sleep(self.gap)
-                self.wfile.write(_token(f" x{i}" if kind == "busy" and company and i >= 2 else f" w{i}"))
+                self.wfile.write(_token(f" x{i}" if kind == "busy" and me["company"] and i >= 2 else f" w{i}"))
             turns = sum(m["role"] == "user" for m in body["messages"])
             timings = {**TIMINGS, "cache_n": 90 * (turns - 1), "prompt_n": 100 if turns == 1 else 12}
             self.wfile.write(_event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
@@ -114,7 +114,7 @@ def stub():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     server.daemon_threads = True
     server.bodies, server.gone = [], threading.Event()
-    server.lock, server.inflight = threading.Lock(), 0
+    server.lock, server.active = threading.Lock(), []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -323,3 +323,37 @@ def test_peak_memory_and_cpu_are_the_servers_not_its_wrappers():
         for pid in reversed(serve_load.process_tree(parent.pid)):
             subprocess.run(["kill", "-9", str(pid)], check=False)
         parent.wait()
+
+
+def test_the_docs_table_is_rendered_from_its_json():
+    """docs/serving.md's table is what serve_table renders from the JSON files its marker names."""
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "serving.md").read_text(encoding="utf-8")
+    start = text.index("<!-- serve-table: ")
+    files = text[start:text.index(" -->", start)].split(": ", 1)[1].split()
+    body = text[text.index("-->", start) + 4:text.index("<!-- /serve-table -->", start)]
+    assert files and body.strip() == serve_table.markdown([root / f for f in files]).strip()
+
+
+def _serve_doc(rows):
+    base = {"decode_tokens_per_s": 10.0, "decode_only_tokens_per_s": 20.0, "ttft_s": {"p50": 1.0, "p95": 2.0},
+            "itl_s": {"p50": 0.01, "p99": 0.02}, "itl_decode_only_s": {"p50": 0.01, "p99": 0.012},
+            "same_as_alone": None, "peak_rss_bytes": 1 << 20, "kv_bytes_per_user": 1 << 20}
+    return {"schema": "sparq-cpp-bench-serve/1", "model": {"path": "/m/tiny.gguf"},
+            "results": [{**base, "depth": 4096, **r} for r in rows]}
+
+
+def test_a_row_measured_again_replaces_the_first(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_serve_doc([{"users": 1, "mode": "dense"}, {"users": 4, "mode": "loki"},
+                                        {"users": 8, "mode": "loki"}])))
+    b.write_text(json.dumps(_serve_doc([{"users": 4, "mode": "loki", "decode_only_tokens_per_s": 99.0}])))
+    body = serve_table.markdown([a, b]).splitlines()[2:]
+    assert [r.split(" | ")[2:4] for r in body] == [["1", "dense"], ["4", "loki"], ["8", "loki"]]
+    assert body[1].split(" | ")[5] == "99.0" and body[2].split(" | ")[5] == "20.0"
+
+
+def test_the_table_refuses_another_json(tmp_path):
+    bad = tmp_path / "e2e.json"
+    bad.write_text(json.dumps({"schema": "sparq-cpp-bench/1"}))
+    assert serve_table.main([str(bad)]) == 2
