@@ -454,8 +454,8 @@ def format_table(doc: dict) -> str:
 
 
 def plot(doc: dict, out_path) -> None:
-    """Aggregate decode tokens/s (dashed: while no prompt waited) and inter-token latency p99 against users, one
-    line per (mode, depth)."""
+    """Aggregate decode tokens/s and inter-token latency p99 (log scale) against users, one line per (mode, depth);
+    dashed: while no prompt waited."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     series = {}
@@ -467,8 +467,13 @@ def plot(doc: dict, out_path) -> None:
         line, = ax1.plot([r["users"] for r in rows], [r["decode_tokens_per_s"] or 0 for r in rows], "o-", label=label)
         ax1.plot([r["users"] for r in rows], [r["decode_only_tokens_per_s"] or 0 for r in rows], "s--",
                  color=line.get_color(), alpha=0.6, label=f"{label}, no prompt waiting")
-        ax2.plot([r["users"] for r in rows], [1e3 * r["itl_s"].get("p99", 0) for r in rows], "o-", label=label)
+        ax2.plot([r["users"] for r in rows], [1e3 * r["itl_s"].get("p99", 0) for r in rows], "o-",
+                 color=line.get_color(), label=label)
+        quiet = [(r["users"], 1e3 * (r.get("itl_decode_only_s") or {}).get("p99", 0)) for r in rows]
+        ax2.plot([u for u, q in quiet if q > 0], [q for _, q in quiet if q > 0], "s--", color=line.get_color(),
+                 alpha=0.6, label=f"{label}, no prompt waiting")
     users = sorted({r["users"] for r in doc["results"]})
+    ax2.set_yscale("log")  # a prompt's stall is seconds, a decode step tens of ms
     for ax, what in ((ax1, "aggregate decode tokens/s"), (ax2, "inter-token latency p99 (ms)")):
         ax.set_xlabel("users (concurrent conversations)")
         ax.set_ylabel(what)
