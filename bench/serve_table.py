@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from sparq_cpp.bench.e2e_config import fmt_depth
+from sparq_cpp import doctable
 from sparq_cpp.errors import SparqError
 from sparq_cpp.outfile import fmt_bytes
 
@@ -54,23 +55,12 @@ def markdown(paths) -> str:
     for path in paths:
         for row in rows(json.loads(Path(path).read_text(encoding="utf-8")), str(path)):
             table[tuple(row[:4])] = row
-    table = list(table.values())
-    lines = ["| " + " | ".join(HEAD) + " |", "| " + " | ".join("---" for _ in HEAD) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in table]
-    return "\n".join(lines) + "\n"
+    return doctable.markdown_table(HEAD, list(table.values()))
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m sparq_cpp.bench.serve_table SERVE.json [...]", file=sys.stderr)
-        return 2
-    try:
-        sys.stdout.write(markdown(argv))
-    except (SparqError, OSError, KeyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return doctable.main(sys.argv[1:] if argv is None else argv, markdown,
+                         "python -m sparq_cpp.bench.serve_table SERVE.json [...]")
 
 
 if __name__ == "__main__":

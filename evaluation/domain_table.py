@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from sparq_cpp import doctable
 from sparq_cpp.errors import SparqError
 from sparq_cpp.evaluation import results
 
@@ -61,23 +62,12 @@ def markdown(paths) -> str:
         names = got
         table += body if not table else [r for r in body if r[1] != "dense (bits per character)" or r[0] not in
                                          {t[0] for t in table}]
-    head = ["model", "setting", "ratio"] + names + ["worst domain"]
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in table]
-    return "\n".join(lines) + "\n"
+    return doctable.markdown_table(["model", "setting", "ratio"] + names + ["worst domain"], table)
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m sparq_cpp.evaluation.domain_table EVAL.json [...]", file=sys.stderr)
-        return 2
-    try:
-        sys.stdout.write(markdown(argv))
-    except (SparqError, OSError, KeyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return doctable.main(sys.argv[1:] if argv is None else argv, markdown,
+                         "python -m sparq_cpp.evaluation.domain_table EVAL.json [...]")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from sparq_cpp.bench.serve_client import (Conversation, Reply, minus, run_users,
 from sparq_cpp.bench import serve_load, serve_table  # noqa: E402
 from sparq_cpp.bench.serve_load import failures  # noqa: E402
 from sparq_cpp.bindings import sparse_api  # noqa: E402
+from sparq_cpp.doctable import marked_block  # noqa: E402
 from sparq_cpp.cli.main import cli  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
@@ -328,10 +329,7 @@ def test_peak_memory_and_cpu_are_the_servers_not_its_wrappers():
 def test_the_docs_table_is_rendered_from_its_json():
     """docs/serving.md's table is what serve_table renders from the JSON files its marker names."""
     root = Path(__file__).resolve().parent.parent
-    text = (root / "docs" / "serving.md").read_text(encoding="utf-8")
-    start = text.index("<!-- serve-table: ")
-    files = text[start:text.index(" -->", start)].split(": ", 1)[1].split()
-    body = text[text.index("-->", start) + 4:text.index("<!-- /serve-table -->", start)]
+    files, body = marked_block(root / "docs" / "serving.md", "serve-table")
     assert files and body.strip() == serve_table.markdown([root / f for f in files]).strip()
 
 

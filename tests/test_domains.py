@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from sparq_cpp.doctable import marked_block
 from sparq_cpp.evaluation import domain_table
 from sparq_cpp.train import corpus, domains
 
@@ -123,8 +124,5 @@ def test_eval_domain_errors(item, needle):
 def test_the_docs_table_is_rendered_from_its_json():
     """docs/accuracy.md's per-domain table is what domain_table renders from the JSON files its marker names."""
     root = Path(__file__).resolve().parent.parent
-    text = (root / "docs" / "accuracy.md").read_text(encoding="utf-8")
-    start = text.index("<!-- domain-table: ")
-    files = text[start:text.index(" -->", start)].split(": ", 1)[1].split()
-    body = text[text.index("-->", start) + 4:text.index("<!-- /domain-table -->", start)]
+    files, body = marked_block(root / "docs" / "accuracy.md", "domain-table")
     assert files and body.strip() == domain_table.markdown([root / f for f in files]).strip()
