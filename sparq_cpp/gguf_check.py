@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import mmap
 import struct
@@ -278,8 +279,23 @@ def check_sparse(summary: GGUFSummary, what: str = "sparse attention") -> None:
 
 def check_gguf(path, archs=None) -> GGUFSummary:
     """Check that `path` is a complete model GGUF (of one of `archs`, when given), reading only its
-    metadata. The summary's sparse_refusal says whether SparQ and Loki can run on it."""
+    metadata. The summary's sparse_refusal says whether SparQ and Loki can run on it. A file checked before
+    and unchanged since (the same inode, size and modification time) is not read again."""
     path = Path(path)
+    archs = None if archs is None else tuple(sorted(archs))
+    try:
+        st = path.stat()
+    except OSError:
+        return _check_gguf(path, archs)  # names what is wrong with the path
+    return _check_unchanged((str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), path, archs)
+
+
+@functools.lru_cache(maxsize=32)
+def _check_unchanged(file_key: tuple, path: Path, archs) -> GGUFSummary:
+    return _check_gguf(path, archs)
+
+
+def _check_gguf(path: Path, archs) -> GGUFSummary:
     reader = _read_header(path)
     arch = reader.get("general.architecture")
     if arch is None:

@@ -109,3 +109,18 @@ def test_a_tokenizer_that_adds_eos_is_an_error_in_llama_completion(tiny, tmp_pat
                            "-c", "128", "-t", "1"], capture_output=True, text=True, errors="replace", timeout=120,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-1500:])
+
+
+def test_a_file_checked_again_unchanged_is_not_read_again(tiny, tmp_path):
+    """check_gguf keeps the summary of an unchanged file (generate and serve ask twice); a file written again at
+    the same path is read again."""
+    path = tmp_path / "m.gguf"
+    rewrite_gguf(tiny, path)
+    first = check_gguf(path)
+    assert check_gguf(path) is first and check_gguf(str(path)) is first
+    rewrite_gguf(tiny, path, {"llama.context_length": 1234})
+    again = check_gguf(path)
+    assert again is not first and again.n_ctx_train == 1234
+    path.unlink()
+    with pytest.raises(SparqError, match="m.gguf"):
+        check_gguf(path)
