@@ -16,7 +16,7 @@ if not go.has_sparq_attn():
     pytest.skip("the ggml build has no ggml_sparq_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
-_micro = Path(__file__).parents[1] / "bench" / "micro"
+_micro = Path(__file__).parents[1] / "sparq_cpp" / "bench" / "micro"
 sys.path.insert(0, str(_micro))
 _spec = importlib.util.spec_from_file_location("bw_watch", _micro / "bw_watch.py")
 bw_watch = importlib.util.module_from_spec(_spec)

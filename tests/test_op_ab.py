@@ -14,7 +14,7 @@ if not go.has_sparq_attn():
     pytest.skip("the ggml build has no ggml_sparq_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
-_spec = importlib.util.spec_from_file_location("op_ab", Path(__file__).parents[1] / "bench" / "micro" / "op_ab.py")
+_spec = importlib.util.spec_from_file_location("op_ab", Path(__file__).parents[1] / "sparq_cpp" / "bench" / "micro" / "op_ab.py")
 op_ab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(op_ab)
 

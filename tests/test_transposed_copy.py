@@ -50,7 +50,7 @@ def test_the_transposed_copy_bench_runs():
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "transposed_copy", Path(__file__).resolve().parents[1] / "bench" / "micro" / "transposed_copy.py")
+        "transposed_copy", Path(__file__).resolve().parents[1] / "sparq_cpp" / "bench" / "micro" / "transposed_copy.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     r = mod.measure(300, 200, reps=2, threads=2)
