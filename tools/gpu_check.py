@@ -24,7 +24,7 @@ emulation of CUDA's thread model, but only a GPU can run them. This writes a sel
                         it matches)
 
 On the GPU machine: `OUT=/some/dir .sparq-build/gpu-check/run.sh` (at most 570 s by default, `--budget`). Here:
-`python -m bench.gpu_check --dry-run` writes the bundle and prints the plan; `dry_run(bundle)` returns it.
+`python -m tools.gpu_check --dry-run` writes the bundle and prints the plan; `dry_run(bundle)` returns it.
 
 The bundle's own programs (run.sh, the op bench, bw.cu, the model writer, the CMake lists) are files in
 tools/gpu-check/, which the fast tier checks (`bash -n`, compiles); this module assembles them with the tree.
