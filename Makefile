@@ -45,9 +45,9 @@ check-series: $(VENV)/.deps
 
 # The CUDA kernels' check for a machine with a GPU: .sparq-build/gpu-check (the patched llama.cpp of the current
 # series, trimmed, and run.sh: stages under one deadline, a JSON summary and logs in $OUT; docs/gpu-check.md);
-# bench/gpu_check.py. TREE=dir takes a `make tree` checkout; `.venv/bin/python -m bench.gpu_check --dry-run` prints the plan.
+# tools/gpu_check.py. TREE=dir takes a `make tree` checkout; `.venv/bin/python -m tools.gpu_check --dry-run` prints the plan.
 gpu-check: $(VENV)/.deps
-	$(PY) -m bench.gpu_check $(if $(TREE),--tree $(TREE))
+	$(PY) -m tools.gpu_check $(if $(TREE),--tree $(TREE))
 
 clean:
 	rm -rf $(VENV) .sparq-build

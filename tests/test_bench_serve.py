@@ -18,11 +18,12 @@ from click.testing import CliRunner
 pytest.importorskip("httpx")
 from sparq_cpp.bench.serve_client import (Conversation, Reply, minus, run_users, stream_chat, summarize,
                                              union_seconds)  # noqa: E402
-from sparq_cpp.bench import serve_load, serve_table  # noqa: E402
+from sparq_cpp.bench import serve_load  # noqa: E402
 from sparq_cpp.bench.serve_load import failures  # noqa: E402
 from sparq_cpp.bindings import sparse_api  # noqa: E402
 from sparq_cpp.doctable import marked_block  # noqa: E402
 from sparq_cpp.cli.main import cli  # noqa: E402
+from tools import serve_table  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
 

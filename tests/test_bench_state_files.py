@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.bench import state_files  # noqa: E402
 from sparq_cpp.demo_model import default_model  # noqa: E402
+from tools import state_files  # noqa: E402
 
 
 def test_save_restore_and_the_checksum_share(tmp_path):

@@ -1,10 +1,8 @@
-"""bench/micro/bw_watch.py: each round's figures come from its own measurements, and the JSON keeps them."""
+"""tools/micro/bw_watch.py: each round's figures come from its own measurements, and the JSON keeps them."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +14,7 @@ if not go.has_sparq_attn():
     pytest.skip("the ggml build has no ggml_sparq_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
-_micro = Path(__file__).parents[1] / "bench" / "micro"
-sys.path.insert(0, str(_micro))
-_spec = importlib.util.spec_from_file_location("bw_watch", _micro / "bw_watch.py")
-bw_watch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bw_watch)
+from tools.micro import bw_watch  # noqa: E402
 
 needs_avx512 = pytest.mark.skipif(
     "avx512f" not in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else True,

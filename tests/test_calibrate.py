@@ -302,7 +302,7 @@ def test_embed_refuses_to_overwrite_the_model(tiny_pca):
 # ---- CLI ------------------------------------------------------------------------------------
 
 def cli_invoke(*args):
-    """The calibrate command inside a group like cli/main.py's (SparqError -> one line, exit 2)."""
+    """The calibrate command inside a group like sparq_cpp/cli/main.py's (SparqError -> one line, exit 2)."""
     from sparq_cpp.cli.calibrate import command
     from sparq_cpp.cli.runner import SparqGroup
 
@@ -404,7 +404,7 @@ def test_cli_errors(case, tmp_path, text_file):
 
 
 def test_standalone_entry_reports_one_line():
-    """`python -m sparq_cpp.cli.calibrate` (before the command is registered in cli/main.py)."""
+    """`python -m sparq_cpp.cli.calibrate` (before the command is registered in sparq_cpp/cli/main.py)."""
     proc = subprocess.run([sys.executable, "-m", "sparq_cpp.cli.calibrate", "--gguf", "/nonexistent/m.gguf",
                            "--text", "/nonexistent/t.txt"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

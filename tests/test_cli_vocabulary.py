@@ -1,5 +1,5 @@
 """One vocabulary: the attention options (the setting, its parameters and the KV cache types) are one group
-(cli/options.py), and every command that takes one of them lists it in `--help` under the group's heading
+(sparq_cpp/cli/options.py), and every command that takes one of them lists it in `--help` under the group's heading
 with the same name, default and help text; the old names still work, hidden, with a note naming the new one."""
 from __future__ import annotations
 

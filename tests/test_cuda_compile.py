@@ -10,7 +10,7 @@ checkout before `make export`, say).
 
 Each file is compiled once for both architectures (two code generations in one nvcc call), the two files in
 parallel: about a minute on 2 cores. The flags are those of ggml's CMake build of the CUDA backend (Release,
--DGGML_CUDA_NO_VMM=ON). ggml-cuda includes cuBLAS's headers; they are those the build uses (pyext/cuda.py: the
+-DGGML_CUDA_NO_VMM=ON). ggml-cuda includes cuBLAS's headers; they are those the build uses (sparq_cpp/pyext/cuda.py: the
 CUDA installation's, an installed nvidia-cublas wheel's, or the pinned wheel's, downloaded once with pip into the
 project's cache; for this check, headers only). Skipped, with the reason, when nvcc, the architectures or the headers are not available.
 """

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sparq_cpp.doctable import marked_block
-from sparq_cpp.evaluation import domain_table
 from sparq_cpp.train import corpus, domains
+from tools import domain_table
 
 from conftest import assert_one_line_error, run_cli
 

@@ -1,14 +1,17 @@
-"""Ranking fidelity (sparq_cpp.calib.fidelity): its rankings are the reference's selections, the capture gives
-llama.cpp's own q and k, and llama.cpp's SparQ op selects what the reference selects inside a model's graph
-(factory models here; Gemma 3 270M, a real q/k-normed model, in the slow tier)."""
+"""Ranking fidelity (tools/fidelity.py; the capture and weights it ranks by: sparq_cpp/calib/qkv.py): its rankings
+are the reference's selections, the capture gives llama.cpp's own q and k, and llama.cpp's SparQ op selects what the
+reference selects inside a model's graph (factory models here; Gemma 3 270M, a real q/k-normed model, in the slow
+tier)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sparq_cpp.calib import fidelity as fid
+from sparq_cpp.calib import qkv
+from sparq_cpp.gguf_check import check_gguf
 from sparq_cpp.reference.attention import ExactTopKAttention, SparQAttention
 from sparq_cpp.reference.loki import LokiAttention
+from tools import fidelity as fid
 
 
 def _inputs(seed, n=200, g=3, D=32, R=4):
@@ -46,20 +49,20 @@ def test_rankings_are_the_reference_selections(seed):
     Q32, K32 = Q.astype(np.float32).astype(np.float64), K.astype(np.float32).astype(np.float64)
 
     want, mask = _selected(SparQAttention(r, k, 0, False), Q, K, t_rows, kq)
-    assert (fid.top_k(fid.sparq_weights(Q32, K32, kq, r, mask).sum(1), k, mask) == want).all()
+    assert (fid.top_k(qkv.sparq_weights(Q32, K32, kq, r, mask).sum(1), k, mask) == want).all()
 
     want, _ = _selected(ExactTopKAttention(k), Q, K, t_rows, kq)
-    w = fid.exact_weights(Q32, K32, kq, mask)
+    w = qkv.exact_weights(Q32, K32, kq, mask)
     assert (fid.top_k(w.sum(1), k, mask) == want).all()
 
     want, _ = _selected(LokiAttention(P[None, None], 8, k, 0), Q, K, t_rows, kq)
     qr = (Q32 @ P).astype(np.float32).astype(np.float64)  # LokiAttention rotates into f32
     kr = (K32 @ P).astype(np.float32).astype(np.float64)
-    assert (fid.top_k(fid.loki_weights(qr, kr, kq, 8, mask).sum(1), k, mask) == want).all()
+    assert (fid.top_k(qkv.loki_weights(qr, kr, kq, 8, mask).sum(1), k, mask) == want).all()
 
     want, _ = _selected(SparQAttention(r, k, 0, False), Q @ P, K @ P, t_rows, kq)
     Qp32, Kp32 = (Q @ P).astype(np.float32).astype(np.float64), (K @ P).astype(np.float32).astype(np.float64)
-    assert (fid.top_k(fid.sparq_weights(Qp32, Kp32, kq, r, mask).sum(1), k, mask) == want).all()
+    assert (fid.top_k(qkv.sparq_weights(Qp32, Kp32, kq, r, mask).sum(1), k, mask) == want).all()
 
 
 def test_full_rankings_are_exact_and_no_ranking_beats_the_exact_mass():
@@ -104,7 +107,7 @@ def test_llama_cpp_sparq_selects_what_the_reference_selects(factory, preset):
     """In the model's graph, prompt rows and decode steps: the op's output is the reference's on llama.cpp's
     own q, K and V, far closer than a one-position change of the selection would leave it."""
     rep = fid.op_check(factory[preset], _toks(100), r=8, k=24, l=6, n_decode=3, n_threads=1)
-    assert [x["layer"] for x in rep] == fid.full_attention_layers(factory[preset])
+    assert [x["layer"] for x in rep] == qkv.full_attention_layers(factory[preset])
     for x in rep:
         assert x["sparse_rows"] == x["rows"] * x["kv_heads"], x
         # measured: 6.4e-7 at most (f32 accumulation against f64), a swap 7e-3 (median)
@@ -116,11 +119,11 @@ def test_llama_cpp_sparq_selects_what_the_reference_selects(factory, preset):
 def test_measure_on_a_factory_model(factory):
     path = factory["tiny-gemma3"]
     text = " ".join(f"word{i % 97} and{i % 13}" for i in range(3000))
-    D = fid.check_gguf(path).head_dim
-    basis = np.broadcast_to(np.eye(D), (fid.check_gguf(path).n_layer, fid.check_gguf(path).n_head_kv, D, D))
+    D = check_gguf(path).head_dim
+    basis = np.broadcast_to(np.eye(D), (check_gguf(path).n_layer, check_gguf(path).n_head_kv, D, D))
     res = fid.measure(path, text, lengths=(64, 128), n_windows=2, n_rows=8, params=[4, D], basis=basis,
                       n_threads=1, log=lambda m: None)
-    layers = fid.full_attention_layers(path)
+    layers = qkv.full_attention_layers(path)
     assert res["full_attention_layers"] == layers and len(layers) < res["n_layer"]
     summ = fid.summarize(res, "recall")
     for S in (64, 128):
@@ -148,7 +151,7 @@ def test_llama_cpp_sparq_selects_what_the_reference_selects_on_gemma3(tmp_path):
 
     model = fetch("gemma3-270m")
     text = evaldata.write(tmp_path)["bpc"].read_text(encoding="utf-8")
-    with fid.QKVCapture(model, layers=[], ctx_size=8) as cap:
+    with qkv.QKVCapture(model, layers=[], ctx_size=8) as cap:
         toks = [cap.bos] + cap.tokenize(text[:20000])[:1027]
     rep = fid.op_check(model, toks, r=32, k=128, l=32, n_decode=4)
     assert [x["layer"] for x in rep] == [5, 11, 17]

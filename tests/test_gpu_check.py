@@ -1,4 +1,4 @@
-"""The GPU check bundle (bench/gpu_check.py, `make gpu-check`), without a GPU: run.sh's plan (--dry-run), run.sh
+"""The GPU check bundle (tools/gpu_check.py, `make gpu-check`), without a GPU: run.sh's plan (--dry-run), run.sh
 run to the end with stand-ins for nvidia-smi, nvcc, cmake, test-backend-ops, llama-bench and the model writer (a
 stage that fails or times out does not stop the later ones; the summary's shape and numbers), and what the bundle
 carries (trimmed tree, CMake lists, the model writer with its own sparq_cpp and gguf). Seconds; nothing is built.
@@ -20,9 +20,9 @@ import gguf
 import pytest
 
 from cuda_sources import installed_lib_dir
-from sparq_cpp.bench import gpu_check
 from sparq_cpp.errors import SparqError
 from sparq_cpp.pyext import cuda as pcuda
+from tools import gpu_check
 
 SUMMARY_KEYS = {"schema", "dry_run", "budget_s", "elapsed_s", "bundle", "work", "out", "stages"}
 STAGE_KEYS = {"name", "status", "background", "rc", "start_s", "seconds", "limit_s", "log", "note", "commands", "numbers"}
@@ -428,7 +428,7 @@ def test_op_bench_runs_on_the_cpu(tmp_path):
 @pytest.mark.slow
 def test_real_bundle_configures_with_nvcc(tmp_path):
     """run.sh's env, unpack and configure stages on the bundle of the current series with this machine's nvcc (no GPU:
-    sm_90; cuBLAS's headers from pyext/cuda.py, its libraries stand-in files, which configuring does not open)."""
+    sm_90; cuBLAS's headers from sparq_cpp/pyext/cuda.py, its libraries stand-in files, which configuring does not open)."""
     nvcc = pcuda.find_nvcc()
     tree = gpu_check.installed_tree()
     if nvcc is None or tree is None:

@@ -1,9 +1,7 @@
-"""bench/micro/op_ab.py: each variant's variables are set exactly while that variant is timed."""
+"""tools/micro/op_ab.py: each variant's variables are set exactly while that variant is timed."""
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -14,9 +12,7 @@ if not go.has_sparq_attn():
     pytest.skip("the ggml build has no ggml_sparq_attn (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
-_spec = importlib.util.spec_from_file_location("op_ab", Path(__file__).parents[1] / "bench" / "micro" / "op_ab.py")
-op_ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(op_ab)
+from tools.micro import op_ab  # noqa: E402
 
 
 def test_variants_alternate_with_their_variables(monkeypatch):

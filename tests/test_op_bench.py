@@ -1,4 +1,4 @@
-"""bench/op_bench.py on a tiny geometry: it times the SparQ, Loki and flash-attention graphs, and
+"""sparq_cpp/bench/op_bench.py on a tiny geometry: it times the SparQ, Loki and flash-attention graphs, and
 writes a row per n_kv with the bytes docs/spec.md's formulas give, and the bandwidth measured at the start
 and after every row (the last of those is the end's)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU bundle's second SparQ path, "sparq-composed" (bench/gpu_check.py's op bench, build_sparq_composed): the
+"""The GPU bundle's second SparQ path, "sparq-composed" (tools/gpu_check.py's op bench, build_sparq_composed): the
 SparQ step from existing ggml ops only (top_k of the group's |q|, get_rows of K^T rows, out_prod, soft_max, top_k over
 the cells with the local window as a bias, get_rows of K and V, mul_mat + soft_max_ext + mul_mat, the mean-value mix).
 Here it runs on the CPU backend of the installed build's ggml, in the op bench's --check mode, beside the fused
@@ -19,9 +19,9 @@ import pytest
 
 from conftest import OP_TOL, assert_close, make_qkv
 from cuda_sources import installed_lib_dir
-from sparq_cpp.bench import gpu_check
 from sparq_cpp.pyext.build import installed_build
 from sparq_cpp.reference.attention import SparQAttention
+from tools import gpu_check
 
 
 def _headers() -> Path | None:

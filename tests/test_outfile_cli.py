@@ -25,7 +25,7 @@ from test_outfile import fifo_reader  # noqa: E402
 
 @click.group(cls=SparqGroup)
 def group():
-    """The calibrate command inside a group like cli/main.py's (SparqError -> one line, exit 2)."""
+    """The calibrate command inside a group like sparq_cpp/cli/main.py's (SparqError -> one line, exit 2)."""
 
 
 group.add_command(command)

@@ -7,7 +7,7 @@ SPARQ_SMOLLM2_JSON=DIR each run's result is also written to DIR/eval-smollm2-<ru
 document `sparq-cpp eval --json` writes). One thread (SPARQ_SMOLLM2_THREADS, default 1): on one
 core an 8k-token sample takes about 2 minutes in llama.cpp and 4 in the reference (exact top-k,
 H2O and LM-Infinite), so the file takes about 50 minutes. Held-out text and the needle: the Austen
-evaluation files (`python -m sparq_cpp.train eval-data`); the passkey: evaluation/textgen.passkey_file()."""
+evaluation files (`python -m sparq_cpp.train eval-data`); the passkey: sparq_cpp/evaluation/textgen.passkey_file()."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """Speculative decoding in llama-server with sparse attention on the target (and its draft): at temperature 0
-the text with a draft model equals the text without one, for dense, SparQ and Loki (bench/spec_decode.py)."""
+the text with a draft model equals the text without one, for dense, SparQ and Loki (tools/spec_decode.py)."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +11,8 @@ if not sparse_api.available():
     pytest.skip("the installed llama.cpp has no sparse attention API (run `make setup`)",
                 allow_module_level=True)
 
-from sparq_cpp.bench import spec_decode  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
+from tools import spec_decode  # noqa: E402
 
 
 @pytest.fixture(scope="module")

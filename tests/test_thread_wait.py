@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("llama_cpp")
-from sparq_cpp.bench import thread_wait  # noqa: E402
 from sparq_cpp.demo_model import default_model  # noqa: E402
+from tools import thread_wait  # noqa: E402
 
 
 def test_quiet_and_loaded_rows_with_the_cpu(tmp_path):

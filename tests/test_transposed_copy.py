@@ -13,6 +13,8 @@ if not ggml_ops.has_sparq_attn():
     pytest.skip("the ggml build is not the patched one (set SPARQ_CPP_LIB_DIR to a patched build)",
                 allow_module_level=True)
 
+from tools.micro import transposed_copy  # noqa: E402
+
 NP = {"f32": np.float32, "f16": np.float16}
 ELEM = {"f32": 4, "f16": 2}
 
@@ -46,12 +48,5 @@ def test_transposed_copy_into_wider_rows(src_type, dst_type, n_cells, n_embd, n_
 
 
 def test_the_transposed_copy_bench_runs():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "transposed_copy", Path(__file__).resolve().parents[1] / "bench" / "micro" / "transposed_copy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = mod.measure(300, 200, reps=2, threads=2)
+    r = transposed_copy.measure(300, 200, reps=2, threads=2)
     assert r["transposed"]["median_s"] > 0 and r["plain"]["median_s"] > 0 and r["ratio"] > 0

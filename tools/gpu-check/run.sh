@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# sparq-cpp GPU check, written by bench/gpu_check.py (`make gpu-check`): builds the patched llama.cpp of the bundle
+# sparq-cpp GPU check, written by tools/gpu_check.py (`make gpu-check`): builds the patched llama.cpp of the bundle
 # with CUDA, checks GGML_OP_SPARSE_ATTN against the CPU, times it beside flash attention, measures the copy
 # bandwidth, writes an 8-layer Llama 2 7B-shaped q8_0 model and runs llama-bench dense against SparQ.
 #

@@ -24,7 +24,7 @@ emulation of CUDA's thread model, but only a GPU can run them. This writes a sel
                         it matches)
 
 On the GPU machine: `OUT=/some/dir .sparq-build/gpu-check/run.sh` (at most 570 s by default, `--budget`). Here:
-`python -m bench.gpu_check --dry-run` writes the bundle and prints the plan; `dry_run(bundle)` returns it.
+`python -m tools.gpu_check --dry-run` writes the bundle and prints the plan; `dry_run(bundle)` returns it.
 
 The bundle's own programs (run.sh, the op bench, bw.cu, the model writer, the CMake lists) are files in
 tools/gpu-check/, which the fast tier checks (`bash -n`, compiles); this module assembles them with the tree.
@@ -63,6 +63,9 @@ GGML_SRC_DIRS = ("ggml-cpu", "ggml-cuda")
 # the parts of the patched tree the bundle carries (folders whole, except ggml/src's other backends)
 TREE_PARTS = ("CMakeLists.txt", "LICENSE", "cmake", "include", "src", "common", "ggml", "tools/llama-bench",
               "tests/test-backend-ops.cpp", "vendor/nlohmann", "vendor/sheredom", "vendor/cpp-httplib")
+# the subpackages above the core, which the bundle leaves out (the model writer needs the core alone, and calib's pca
+# and projection below)
+UPPER_PACKAGES = ("pyext", "calib", "cli", "bench", "train", "evaluation")
 # sparq_cpp.calib's modules the model writer needs (the Loki projection), and the package's __init__ in the bundle
 CALIB_FILES = ("pca.py", "projection.py")
 CALIB_INIT = '''"""Loki projection writing (the bundle's copy of sparq_cpp.calib: pca and projection only)."""\n'''
@@ -129,7 +132,7 @@ def make_bundle(tree: Path, out: Path, package: Path | None = None, gguf_dir: Pa
                 calib: Path | None = None) -> Path:
     """Write the bundle for the patched tree into out (replaced). package: the sparq_cpp folder to carry (default
     this checkout's), gguf_dir: the gguf package's (default the installed one), calib: the calib folder."""
-    calib = calib or REPO_ROOT / "calib"
+    calib = calib or REPO_ROOT / "sparq_cpp" / "calib"
     if not (tree / "ggml" / "src" / "ggml-cuda" / "sparse-attn.cu").is_file():
         raise click.ClickException(f"{tree} has no ggml/src/ggml-cuda/sparse-attn.cu: the series has no CUDA kernel yet")
     missing = [p for p in TREE_PARTS if not (tree / p).exists()]
@@ -150,10 +153,11 @@ def make_bundle(tree: Path, out: Path, package: Path | None = None, gguf_dir: Pa
             tar.add(tree / part, arcname=part, filter=filt)
         for name, src in BUNDLE_FILES.items():
             _add_bytes(tar, name, source(src).encode())
-        for root, arc, skip in ((package, "sparq/py/sparq_cpp", ()), (gguf_dir, "sparq/py/gguf", ("scripts",))):
+        for root, arc, skip in ((package, "sparq/py/sparq_cpp", UPPER_PACKAGES),
+                                (gguf_dir, "sparq/py/gguf", ("scripts",))):
             for f in _python_files(root, skip):
                 tar.add(f, arcname=f"{arc}/{f.relative_to(root).as_posix()}")
-        # the Loki projection writer (sparq_cpp.calib maps to calib/), without the calibration that needs llama.cpp
+        # the Loki projection writer, without the calibration that needs llama.cpp
         for name in CALIB_FILES:
             tar.add(calib / name, arcname=f"sparq/py/sparq_cpp/calib/{name}")
         _add_bytes(tar, "sparq/py/sparq_cpp/calib/__init__.py", CALIB_INIT.encode())

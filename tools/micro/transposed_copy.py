@@ -1,7 +1,7 @@
 """The CPU's transposed copy (what SparQ's cache upkeep does to rebuild K^T after a state load) against a
 plain copy of the same bytes, alternating in one process: median of --reps each, GB/s read + written.
 
-    python bench/micro/transposed_copy.py --cells 32768 --width 4096      # a 7B layer's K at 32k, f16
+    python -m tools.micro.transposed_copy --cells 32768 --width 4096      # a 7B layer's K at 32k, f16
 """
 from __future__ import annotations
 

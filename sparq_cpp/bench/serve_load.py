@@ -2,7 +2,7 @@
 
 For each depth, number of users N and mode, a server is started through `sparq-cpp serve` (its checks and its
 memory estimate apply) with N slots, each of the depth plus the turns' room, and N users talk to it at once
-(bench/serve_client.py): each over its own document (N different passages of a real text, cut to the depth in the
+(sparq_cpp/bench/serve_client.py): each over its own document (N different passages of a real text, cut to the depth in the
 server's own tokens), a first turn that asks about it, then follow-up turns that send the conversation so far,
 which the server takes from the slot's prompt cache. Answers are streamed at temperature 0, every one
 --max-tokens long (end of text ignored), so that every mode decodes the same number of tokens.
@@ -82,7 +82,7 @@ class ServeBenchConfig:
     turns: int = 2
     max_tokens: int = 64
     threads: int | None = None
-    text: Path | None = None  # the documents' text (default: Jane Austen's novels, train/corpus.py)
+    text: Path | None = None  # the documents' text (default: Jane Austen's novels, sparq_cpp/train/corpus.py)
     sparse: tuple = ()  # `serve` options for the sparse modes (--sparq-r 16, --sparse-k 128, ...)
     request_timeout: float = 600.0
     start_timeout: float = 600.0
@@ -146,7 +146,7 @@ def slot_tokens(cfg: ServeBenchConfig, depth: int) -> int:
 # ---- the documents -------------------------------------------------------------------------
 
 def source_text(cfg: ServeBenchConfig) -> tuple:
-    """(text, what it is): --text, or Jane Austen's six novels (fetched once with apt-get, train/corpus.py)."""
+    """(text, what it is): --text, or Jane Austen's six novels (fetched once with apt-get, sparq_cpp/train/corpus.py)."""
     if cfg.text is not None:
         return Path(cfg.text).read_text(encoding="utf-8", errors="replace"), f"--text {cfg.text}"
     return "\n\n".join(corpus.load_novels().values()), corpus.SOURCE

@@ -9,7 +9,7 @@ timing), as speculative decoding, prompt reuse and regenerate do. A step is `lla
 `llama_synchronize`: embedding, every layer, the output head.
 
 Two ways to reach depth S:
-  - synthetic (default): a llama.cpp sequence-state blob written here (bench/stateblob.py) with S
+  - synthetic (default): a llama.cpp sequence-state blob written here (sparq_cpp/bench/stateblob.py) with S
     positions of random K and V rows at the model's scale, loaded with `llama_state_seq_set_data`.
     Nothing is computed, so 32k positions take seconds instead of an hour of prefill on 2 cores.
   - prefill: the real thing, random tokens through the model in batches of 512.
@@ -17,8 +17,8 @@ Two ways to reach depth S:
 timed steps alternate, and checks that the decode latencies agree within 5%: decode cost depends
 on the cache's size, not on its values.
 
-The transfer model (bench/transfer_model.py) gives the bytes each token reads; the machine's read
-bandwidth is measured (bench/machine.py); the bound on a mode's speed-up is
+The transfer model (sparq_cpp/bench/transfer_model.py) gives the bytes each token reads; the machine's read
+bandwidth is measured (sparq_cpp/bench/machine.py); the bound on a mode's speed-up is
 bytes(baseline) / bytes(mode), where the baseline is the faster of the f16 dense modes
 (dense-fa, dense-nofa) measured at that S.
 """
@@ -460,7 +460,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
         "loki_basis": loki_basis,
         "synthetic_kv_scale": scale_how,
         "memory_estimate": {str(d): e for d, e in estimates.items()},
-        "transfer_model": "weights touched + docs/spec.md KV reads per layer and KV head, n = S + 1 (bench/transfer_model.py)",
+        "transfer_model": "weights touched + docs/spec.md KV reads per layer and KV head, n = S + 1 (sparq_cpp/bench/transfer_model.py)",
         "results": results,
     }
     # measured again at the end: on a shared machine the better of the two is the machine's

@@ -1,5 +1,5 @@
 """How every command runs: a SparqError is one line on stderr and exit status 2, Ctrl-C exits 130; for the
-`sparq-cpp` group (cli/main.py) and for a command run on its own (`python -m ...`)."""
+`sparq-cpp` group (sparq_cpp/cli/main.py) and for a command run on its own (`python -m ...`)."""
 from __future__ import annotations
 
 import sys

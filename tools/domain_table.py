@@ -1,6 +1,6 @@
 """The per-domain table of docs/accuracy.md, rendered from `sparq-cpp eval --domain` JSON files:
 
-    python -m sparq_cpp.evaluation.domain_table docs/eval-gemma3-domains-1in8.json ...
+    python -m tools.domain_table docs/eval-gemma3-domains-1in8.json ...
 
 One row of dense's bits per character per model, then a row per method and ratio: each domain's loss against dense
 on the same windows (relative, +- its standard error) and the worst domain."""
@@ -66,8 +66,7 @@ def markdown(paths) -> str:
 
 
 def main(argv=None) -> int:
-    return doctable.main(sys.argv[1:] if argv is None else argv, markdown,
-                         "python -m sparq_cpp.evaluation.domain_table EVAL.json [...]")
+    return doctable.main(sys.argv[1:] if argv is None else argv, markdown, "python -m tools.domain_table EVAL.json [...]")
 
 
 if __name__ == "__main__":

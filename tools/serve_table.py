@@ -1,6 +1,6 @@
 """The table of docs/serving.md, rendered from `sparq-cpp bench serve -o` JSON files:
 
-    python -m sparq_cpp.bench.serve_table docs/bench-serve-smollm2-4k.json ...
+    python -m tools.serve_table docs/bench-serve-smollm2-4k.json ...
 
 A row per depth, number of users and mode: decode tokens/s of all users together (over all the decoding time, and
 while no prompt waited), time to first token, inter-token latency (all gaps, and the gaps while no prompt waited),
@@ -60,7 +60,7 @@ def markdown(paths) -> str:
 
 def main(argv=None) -> int:
     return doctable.main(sys.argv[1:] if argv is None else argv, markdown,
-                         "python -m sparq_cpp.bench.serve_table SERVE.json [...]")
+                         "python -m tools.serve_table SERVE.json [...]")
 
 
 if __name__ == "__main__":

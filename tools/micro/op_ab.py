@@ -12,7 +12,7 @@ as a model's other layers do. Back to back (--warm), a graph finds its gathered 
 layer at 32 kv heads) still in a 32 MiB L3 and runs 10-15% faster than it does inside a model.
 
     SPARQ_CPP_LIB_DIR=.sparq-build/tree/build/bin \\
-        python bench/micro/op_ab.py -v - -v SPQ_X=1 -v SPQ_X=2+SPQ_Y=1 --n-kv 16384
+        python -m tools.micro.op_ab -v - -v SPQ_X=1 -v SPQ_X=2+SPQ_Y=1 --n-kv 16384
 """
 from __future__ import annotations
 

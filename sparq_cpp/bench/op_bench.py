@@ -9,7 +9,7 @@ the time per layer is the median over repeats of (graph time / L).
 Bytes per layer follow docs/spec.md's transfer formulas (elements x 2 bytes for f16), per head:
 dense 2*n*D (+2*D), SparQ n*r + 2*k*D + 4*D, Loki n*d + 2*k*D + 2*D (the ranking reads
 the first d elements of each K row, which the Loki op gets already rotated). The machine's read
-bandwidth is measured as the end-to-end bench measures it (bench/machine.py: a small multi-threaded
+bandwidth is measured as the end-to-end bench measures it (sparq_cpp/bench/machine.py: a small multi-threaded
 C loop, numpy fallback), at the start and after every n_kv, so each row also has the two measurements
 taken just before and just after it (a shared machine's bandwidth can move within minutes): %bw is
 against the start's figure, %adj against the higher of the row's two. The repeats of the sparse and
@@ -35,7 +35,7 @@ from sparq_cpp.bench import machine
 
 def measure_bandwidth(n_threads: int = 2, nbytes: int = 1 << 30) -> tuple[float, str]:
     """Best-of-passes read bandwidth in GB/s and how it was measured: the end-to-end bench's measurement
-    (bench/machine.py), so both benchmarks hold their kernels against the same number."""
+    (sparq_cpp/bench/machine.py), so both benchmarks hold their kernels against the same number."""
     bw = machine.measure_bandwidth(n_threads, nbytes)
     return bw["best_gbs"], f"{bw['method']}, {nbytes >> 20} MiB, best of {len(bw['passes_gbs'])} passes"
 

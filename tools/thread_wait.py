@@ -3,7 +3,7 @@ for each OpenMP wait policy (default: what sparq-cpp chooses; gomp: GNU OpenMP's
 sleep; active: spin; passive: sleep; spinN: GOMP_SPINCOUNT=N, spin N times then sleep), dense and sparse, with the other cores idle and with one busy process per core (what a machine
 shared with other work looks like).
 
-    python -m sparq_cpp.bench.thread_wait -m smollm2-135m --json docs/thread-wait.json
+    python -m tools.thread_wait -m smollm2-135m --json docs/thread-wait.json
 
 With --tools, llama-bench of the given llama.cpp builds runs instead (the cache filled to the prompt's length), so that a build with OpenMP (its
 policies as above) and one without it (ggml's own thread pool; pollN: --poll N, how long a thread polls before it
@@ -168,7 +168,7 @@ def main(model, threads, repeats, n_predict, prompt_words, policies, timeout, to
         click.echo(f"{r['load']:6s}  {r['mode']:5s}  {r['build']:16s}  {r['policy']:7s} {med}        "
                    + " ".join("-" if x is None else f"{x:.1f}" for x in r["ms_per_token"]))
     if json_out:
-        doc = {"command": " ".join(["python -m sparq_cpp.bench.thread_wait", *sys.argv[1:]]),
+        doc = {"command": " ".join(["python -m tools.thread_wait", *sys.argv[1:]]),
                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                "machine": machine.machine_info(), "cpu_model": cpu, "threads": threads, "n_predict": n_predict,
                "model": model, "runner": "llama-bench" if tools_dirs else "sparq-cpp generate", "rows": rows}

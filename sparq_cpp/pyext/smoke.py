@@ -26,7 +26,7 @@ from pathlib import Path
 from sparq_cpp import llm
 from sparq_cpp.errors import SparqError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO_ROOT / "models" / "austen.q8_0.gguf"
 DEMO_PROJECTION = REPO_ROOT / "models" / "austen.loki.gguf"
 SMOKE_VERSION = 1  # bump when the stages change, so that builds that passed the old ones run the new ones

@@ -12,7 +12,7 @@ texts may differ from the first request's). With a draft, a step drafts up to `-
 them in one batch, which attends sparsely (a verification batch); rejected tokens are removed from the cache.
 At temperature 0 the text with a draft must equal the text without one.
 
-    python -m sparq_cpp.bench.spec_decode --model smollm2-135m --draft smollm2-135m --depths 4k,8000 \\
+    python -m tools.spec_decode --model smollm2-135m --draft smollm2-135m --depths 4k,8000 \\
         --attention sparq:r=8,k=128 --threads 2 --json docs/spec-decode-smollm2.json
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import click
 
-from sparq_cpp.bench.alisa_decode import parse_depths
 from sparq_cpp.bench.server_process import ServerProcess
 from sparq_cpp.errors import SparqError
 from sparq_cpp.evaluation import textgen
 from sparq_cpp.outfile import atomic_write
 from sparq_cpp.pyext.build import tool_path
 from sparq_cpp.real_models import fetch
+from tools.alisa_decode import parse_depths
 
 SCHEMA = "sparq-cpp-spec-decode/1"
 

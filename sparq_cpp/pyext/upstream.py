@@ -16,7 +16,7 @@ from pathlib import Path
 from sparq_cpp.cache import cache_root, sha256_file  # here too: the build tooling's names for them
 from sparq_cpp.errors import SparqError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCHES_DIR = REPO_ROOT / "patches"
 
 

@@ -8,7 +8,7 @@ model's weights, and the attention's KV data and window sums by sparq_cpp.transf
 measured here. The first decode step after the prompt is timed apart (it is a step users pay for), and so are
 steps right after removing the last token (a rewind, as prompt reuse and regenerate do), alternating likewise.
 
-    python -m sparq_cpp.bench.alisa_decode --model smollm2-135m --depths 2k,4k,8k --c 0.125 --threads 1 \\
+    python -m tools.alisa_decode --model smollm2-135m --depths 2k,4k,8k --c 0.125 --threads 1 \\
         --json docs/alisa-decode-smollm2.json
 """
 from __future__ import annotations

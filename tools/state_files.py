@@ -3,11 +3,11 @@
 A context of the model in the given mode is filled to --depth tokens, then sequence 0 is saved to a state file
 (llama_state_seq_save_file: a temporary file flushed to the device and renamed over the path, with the checksum
 trailer) and restored from it (llama_state_seq_load_file: the state read, its size and checksum checked), in
-turns, --repeats times each. Beside the medians, bench/micro/state_checksum.c times the checksum alone over as
+turns, --repeats times each. Beside the medians, tools/micro/state_checksum.c times the checksum alone over as
 many bytes (the same code as the patch, built -O3 as libllama's Release build is): the part of a save or a
 restore that the check adds.
 
-    python -m sparq_cpp.bench.state_files -m smollm2-135m --depth 8000 --attn sparq:r=16,k=128 --json F
+    python -m tools.state_files -m smollm2-135m --depth 8000 --attn sparq:r=16,k=128 --json F
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def main(model, depth, attn, threads, repeats, workdir, json_out):
                f"the checksum alone {ck_ms:.1f} ms ({ck_gbs:.1f} GB/s): {100 * ck_ms / save:.0f}% of a save, "
                f"{100 * ck_ms / load:.0f}% of a restore")
     if json_out:
-        doc = {"command": " ".join(["python -m sparq_cpp.bench.state_files", *sys.argv[1:]]),
+        doc = {"command": " ".join(["python -m tools.state_files", *sys.argv[1:]]),
                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                "machine": machine.machine_info(), "cpu_model": machine.cpu_model(), "model": model,
                "threads": threads, "rows": [row]}

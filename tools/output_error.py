@@ -9,7 +9,7 @@ query heads. Rankings: the exact top-k, SparQ(r), Loki(d), and Loki(d) with the 
 sink) always kept. This is one layer at a time on the dense run's inputs; errors do not compound here as they do
 in a sparse run.
 
-`python -m sparq_cpp.calib.output_error --help` runs it and writes JSON.
+`python -m tools.output_error --help` runs it and writes JSON.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from sparq_cpp.calib.budget import selection
-from sparq_cpp.calib.fidelity import QKVCapture, exact_weights, full_attention_layers, loki_weights, sparq_weights
+from sparq_cpp.calib.qkv import QKVCapture, exact_weights, full_attention_layers, loki_weights, sparq_weights
 from sparq_cpp.errors import SparqError
 from sparq_cpp.outfile import atomic_write, check_writable
 from sparq_cpp.projection import read_projection
@@ -97,7 +97,7 @@ def measure(model_path, text: str, projection, *, ctx: int = 2048, n_windows: in
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparq_cpp.calib.output_error", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.output_error", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a GGUF file or a name from sparq_cpp.real_models")
     ap.add_argument("--text", required=True)
     ap.add_argument("--projection", required=True, help="the model's calibration (Loki's basis)")
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     model = fetch(a.model) if a.model in MODELS else Path(a.model)
     res = measure(model, Path(a.text).read_text(encoding="utf-8"), a.projection, ctx=a.ctx, n_windows=a.windows,
                   r=a.r, d=a.d, n_threads=a.threads)
-    res["command"] = "python -m sparq_cpp.calib.output_error " + " ".join(argv or sys.argv[1:])
+    res["command"] = "python -m tools.output_error " + " ".join(argv or sys.argv[1:])
     atomic_write(a.json, lambda tmp: tmp.write_text(json.dumps(res, indent=1) + "\n"), "--json")
     print(f"relative error of the attention output, k = {res['k']}, l = {res['l']} (exact top-k: l = 0); mean +- se "
           f"over {res['windows']} windows x KV heads")

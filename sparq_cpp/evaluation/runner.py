@@ -23,7 +23,7 @@ from sparq_cpp.evaluation import sweep, tasks
 from sparq_cpp.evaluation.methods import LlamaSession, MethodSpec, mean_value_default, with_mean_value
 from sparq_cpp.gguf_check import check_gguf, check_sparse
 
-# the reference backend (evaluation/ref_session.py) needs numba, the [reference] extra
+# the reference backend (sparq_cpp/evaluation/ref_session.py) needs numba, the [reference] extra
 REFERENCE_METHODS = "the reference methods (exact-topk, h2o, lm-infinite, METHOD@ref)"
 
 LN2 = math.log(2.0)

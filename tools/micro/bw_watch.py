@@ -2,14 +2,14 @@
 
 On a VM whose read bandwidth switches between levels within minutes, a figure for "the op's share of
 the bandwidth" depends on which level the measurement caught. This script measures, round after round:
-the read bandwidth (bench/machine.py's C loop, 2 threads), the SparQ op at batch 1 (op bench geometry:
+the read bandwidth (sparq_cpp/bench/machine.py's C loop, 2 threads), the SparQ op at batch 1 (op bench geometry:
 32 heads of D = 128, f16 cache, r = 16, k = 128, l = 32; an L-layer graph, each timed compute after an
 evicting one, as in op_ab.py), the floor of its scoring stream (`sparq_floors stream 2 2`: the 16 K^T
 rows of every kv head read in the kernel's order with its arithmetic, and nothing else), and the
 bandwidth again. Each round's line puts the op's and the floor's achieved bandwidth beside the higher of
 the two bandwidth figures (the conservative one), so one run shows whether either follows the level.
 
-    SPARQ_CPP_LIB_DIR=.sparq-build/tree/build/bin python bench/micro/bw_watch.py --rounds 20 --json F
+    SPARQ_CPP_LIB_DIR=.sparq-build/tree/build/bin python -m tools.micro.bw_watch --rounds 20 --json F
 """
 from __future__ import annotations
 
@@ -19,20 +19,17 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).parent))
-from op_ab import sparq_graph  # noqa: E402
-
-from sparq_cpp.bench import machine  # noqa: E402
-from sparq_cpp.bench.op_bench import bytes_sparq  # noqa: E402
-from sparq_cpp.outfile import atomic_write, check_writable  # noqa: E402
-from sparq_cpp.bindings import ggml_ops as go  # noqa: E402
+from sparq_cpp.bench import machine
+from sparq_cpp.bench.op_bench import bytes_sparq
+from sparq_cpp.bindings import ggml_ops as go
+from sparq_cpp.outfile import atomic_write, check_writable
+from tools.micro.op_ab import sparq_graph
 
 FLOOR_SRC = Path(__file__).with_name("sparq_floors.c")
 _FLOOR_LINE = re.compile(r"([0-9.]+) ms per layer .*?, ([0-9.]+) GB/s")

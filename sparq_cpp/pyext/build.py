@@ -5,9 +5,9 @@ One CMake build of the patched sdist gives both products, so nothing is compiled
   - the standalone tools (llama-bench, llama-cli, llama-completion, llama-server, test-backend-ops).
 The build lives in `<cache>/build/<key>`, where the key hashes every input: the pinned sdist, the
 patch series (every byte), the build options, and this file's BUILDER_VERSION. Same inputs: no
-rebuild. Before a build is installed it runs here (pyext/smoke.py: the demo model through the Python
+rebuild. Before a build is installed it runs here (sparq_cpp/pyext/smoke.py: the demo model through the Python
 bindings in every mode and a stock tool, each in a child process); one that dies is not installed.
-`python -m sparq_cpp.pyext.build [--cuda [--cuda-arch 90]]` (CUDA: pyext/cuda.py).
+`python -m sparq_cpp.pyext.build [--cuda [--cuda-arch 90]]` (CUDA: sparq_cpp/pyext/cuda.py).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparq_cpp import transfer
-from sparq_cpp.calib.fidelity import QKVCapture, exact_weights, full_attention_layers, loki_weights, sparq_weights
+from sparq_cpp.calib.qkv import QKVCapture, exact_weights, full_attention_layers, loki_weights, sparq_weights
 from sparq_cpp.calib.run import text_tokens
 from sparq_cpp.errors import SparqError
 from sparq_cpp.gguf_check import check_gguf
