@@ -21,6 +21,12 @@ import llama_cpp  # noqa: E402  (loaded by the line above)
 
 __all__ = ["Llama"]
 
+# A cached prompt's tail is evaluated again as this many rows (or the whole prompt, if shorter). Measured on the
+# demo model: in a SparQ or Loki context, a tail of 2-63 rows gives the last row's logits up to 0.2 apart from the
+# prompt's first evaluation, 64 or more bit for bit the same (a dense or ALISA context: the same for any tail).
+# 64 is ggml's CPU flash-attention tile (GGML_FA_TILE_Q), from which it computes rows in tiles.
+PROMPT_TAIL = 64
+
 
 class Llama(llama_cpp.Llama):
     """llama_cpp.Llama with an `attention` setting: Dense(), SparQ(...), Loki(...) or ALISA(...), or the
@@ -77,14 +83,15 @@ class Llama(llama_cpp.Llama):
         kept tokens are processed again as a prompt, as llama-server does, before `tokens`.
 
         A prompt that was all cached but its last token (llama_cpp's prefix reuse re-evaluates that one for
-        its logits) is evaluated with the token before it, as one batch: alone it would be a sparse decode
-        step where the first time the prompt batch attended densely, and the same request would give
-        another text (llama-server does the same)."""
+        its logits) is evaluated with the PROMPT_TAIL - 1 tokens before it, as one batch: alone it would be a
+        sparse decode step where the first time the prompt batch attended densely, and a short batch computes
+        its rows otherwise than the prompt did; either way the same request would give another text."""
         if self._prompt_next:
             self._prompt_next = False
             if len(tokens) == 1 and self.n_tokens > 0 and not isinstance(self.attention, Dense):
-                self.n_tokens -= 1
-                tokens = [int(self.input_ids[self.n_tokens]), *tokens]
+                back = min(self.n_tokens, PROMPT_TAIL - 1)
+                self.n_tokens -= back
+                tokens = [int(t) for t in self.input_ids[self.n_tokens:self.n_tokens + back]] + list(tokens)
         if self._alisa_window and not self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1):
             keep = [int(t) for t in self.input_ids[: self.n_tokens]]
             self._ctx.kv_cache_clear()

@@ -1,6 +1,7 @@
 """The same request twice gives the same text at temperature 0, in every mode: llama-cpp-python reuses the cached
-prompt and re-evaluates only its last token, which sparq_cpp.Llama evaluates with the token before it as one batch,
-as the first call's prompt batch did (a lone token would be a sparse decode step)."""
+prompt and re-evaluates only its last token, which sparq_cpp.Llama evaluates with the 63 tokens before it as one
+batch: a lone token would be a sparse decode step, and in a SparQ or Loki context a batch of fewer than 64 rows
+computes its last row otherwise than the prompt batch did (this prompt: SparQ's text changed with 2 tokens)."""
 from __future__ import annotations
 
 from pathlib import Path
