@@ -96,7 +96,8 @@ EVAL_OPTIONS = ("--sparq-r", "--loki-d", "--sparse-sink", "--mean-value", "--lok
                    "loss against dense and the worst. `python -m sparq_cpp.train eval-data` writes four.")
 @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
               help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite, alisa "
-                   "(reference); METHOD@ref or METHOD@llama picks the backend (alisa@llama: llama.cpp's alisa).")
+                   "(reference); METHOD@ref or METHOD@llama picks the backend (alisa@llama: llama.cpp's alisa; "
+                   "exact-topk@llama: llama.cpp's SparQ with r = the head size, l = 0, no mean value).")
 @click.option("--ratios", default="1,1/2,1/4,1/8,1/16", show_default=True,
               help="Target compression ratios (attention data read / dense, docs/spec.md).")
 @click.option("--samples", type=int, default=4, show_default=True, help="bpc / repetition / copy: samples per task.")
