@@ -17,7 +17,7 @@ NAMES = {"gemma-3-270m-q4_k_m.gguf": "Gemma 3 270M", "SmolLM2-135M-Instruct.Q4_1
 
 
 def _setting(method: str, params: dict) -> str:
-    name = {"sparq": "SparQ", "loki": "Loki"}.get(method.split("@")[0], method)
+    name = {"sparq": "SparQ", "loki": "Loki", "exact-topk": "exact top-k"}.get(method.split("@")[0], method)
     keys = [f"{k} = {params[k]}" for k in ("r", "d", "k", "l", "sink") if k in params]
     return f"{name} ({', '.join(keys)})" if keys else name
 

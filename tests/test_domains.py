@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sparq_cpp.evaluation import domain_table
+from sparq_cpp.pyext.build import installed_build
 from sparq_cpp.train import corpus, domains
 
 from conftest import assert_one_line_error, run_cli
@@ -111,6 +112,9 @@ def test_eval_scores_each_domain(tmp_path):
     worst = max(entry["domains"], key=lambda d: entry["domains"][d]["rel"])
     assert entry["worst"] == worst and entry["worst_rel"] == entry["domains"][worst]["rel"]
     assert "bits per character by domain" in proc.stdout and f"worst {worst}" in proc.stdout
+    # what ran it: the CPU, the threads and the installed build's key
+    assert doc["machine"]["cpu_model"] and doc["machine"]["cores_usable"] >= 1
+    assert doc["machine"]["build"]["key"] == installed_build()["key"]
 
 
 @pytest.mark.parametrize("item, needle", [("Code=x.txt", "lowercase letters"), ("code", "NAME=PATH"),
