@@ -51,7 +51,8 @@ def rows(doc: dict, where: str) -> tuple[str, list[str], list[list[str]]]:
 
 
 def markdown(paths) -> str:
-    """The table of every file's rows, in the order given (their domains must agree)."""
+    """The table of every file's rows, in the order given (their domains must agree); a row that an earlier file
+    gave, figures and all (a setting run again on the same windows by the same build), is not repeated."""
     names, table = None, []
     for path in paths:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -59,8 +60,9 @@ def markdown(paths) -> str:
         if names is not None and got != names:
             raise SparqError(f"{path} has domains {got}, the files before it {names}")
         names = got
-        table += body if not table else [r for r in body if r[1] != "dense (bits per character)" or r[0] not in
-                                         {t[0] for t in table}]
+        # a model's dense row once; a row another file gave already (the same setting, the same figures) once
+        table += [r for r in body if r not in table and (r[1] != "dense (bits per character)" or r[0] not in
+                                                         {t[0] for t in table})]
     head = ["model", "setting", "ratio"] + names + ["worst domain"]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in table]

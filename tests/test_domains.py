@@ -132,3 +132,20 @@ def test_the_docs_table_is_rendered_from_its_json():
     files = text[start:text.index(" -->", start)].split(": ", 1)[1].split()
     body = text[text.index("-->", start) + 4:text.index("<!-- /domain-table -->", start)]
     assert files and body.strip() == domain_table.markdown([root / f for f in files]).strip()
+
+
+def test_the_table_repeats_no_row(tmp_path):
+    """A setting two files ran with the same figures is one row; with different figures, both rows stay."""
+    root = Path(__file__).resolve().parent.parent
+    first = root / "docs" / "eval-gemma3-domains-1in8.json"
+    once = domain_table.markdown([first])
+    assert domain_table.markdown([first, first]) == once
+    doc = json.loads(first.read_text(encoding="utf-8"))
+    rec = next(r for r in doc["records"] if r["method"] == "sparq" and r["task"] == "bpc:code")
+    rec["score"] += 0.5
+    del doc["summary"], doc["domains"]
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(doc), encoding="utf-8")
+    both = domain_table.markdown([first, moved]).splitlines()
+    assert len(both) == len(once.splitlines()) + 1
+    assert sum(line.split(" | ")[1].startswith("SparQ") for line in both) == 2
