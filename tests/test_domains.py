@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sparq_cpp.doctable import marked_block
+from sparq_cpp.pyext.build import installed_build
 from sparq_cpp.train import corpus, domains
 from tools import domain_table
 
@@ -112,6 +113,9 @@ def test_eval_scores_each_domain(tmp_path):
     worst = max(entry["domains"], key=lambda d: entry["domains"][d]["rel"])
     assert entry["worst"] == worst and entry["worst_rel"] == entry["domains"][worst]["rel"]
     assert "bits per character by domain" in proc.stdout and f"worst {worst}" in proc.stdout
+    # what ran it: the CPU, the threads and the installed build's key
+    assert doc["machine"]["cpu_model"] and doc["machine"]["cores_usable"] >= 1
+    assert doc["machine"]["build"]["key"] == installed_build()["key"]
 
 
 @pytest.mark.parametrize("item, needle", [("Code=x.txt", "lowercase letters"), ("code", "NAME=PATH"),
@@ -126,3 +130,20 @@ def test_the_docs_table_is_rendered_from_its_json():
     root = Path(__file__).resolve().parent.parent
     files, body = marked_block(root / "docs" / "accuracy.md", "domain-table")
     assert files and body.strip() == domain_table.markdown([root / f for f in files]).strip()
+
+
+def test_the_table_repeats_no_row(tmp_path):
+    """A setting two files ran with the same figures is one row; with different figures, both rows stay."""
+    root = Path(__file__).resolve().parent.parent
+    first = root / "docs" / "eval-gemma3-domains-1in8.json"
+    once = domain_table.markdown([first])
+    assert domain_table.markdown([first, first]) == once
+    doc = json.loads(first.read_text(encoding="utf-8"))
+    rec = next(r for r in doc["records"] if r["method"] == "sparq" and r["task"] == "bpc:code")
+    rec["score"] += 0.5
+    del doc["summary"], doc["domains"]
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(doc), encoding="utf-8")
+    both = domain_table.markdown([first, moved]).splitlines()
+    assert len(both) == len(once.splitlines()) + 1
+    assert sum(line.split(" | ")[1].startswith("SparQ") for line in both) == 2

@@ -23,6 +23,7 @@ from sparq_cpp.evaluation.runner import EvalConfig, run  # noqa: E402
 from sparq_cpp.modelfactory import write_model  # noqa: E402
 
 BPC_TOL = 1e-3
+EXACT_TOPK_TOL = 1e-4  # exact top-k has no approximate scores to round: both rank the same numbers
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,33 @@ def test_llama_cpp_scores_equal_reference(models, preset):
     assert moved, "SparQ at 1/4 scored exactly like dense: the sparse path did not run"
     # the GQA model defaults to the paper's choice: no mean-value reallocation
     assert doc["config"]["mean_value"] is (preset == "tiny")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
+def test_llama_cpp_exact_topk_equals_reference(models, preset):
+    """exact-topk@llama (llama.cpp's SparQ with r = D, l = 0, no mean value) scores as the reference's exact top-k:
+    the same k, bits per character within 1e-4 (measured: 1e-6 to 3e-5; r = D/4 instead is 1e-3 off), the same
+    greedy tokens; at 1/8 and 1/16 of the positions it moves away from dense (the selection ran) and from SparQ
+    at its own r."""
+    doc = run(small(models[preset], "dense,sparq,exact-topk@llama,exact-topk@ref", ratios="1,1/8,1/16",
+                    task_cfg=dict(context=320)), log=lambda s: None)
+    recs = by_key(doc["records"])
+    llama = {k: r for k, r in recs.items() if k[2] == "exact-topk" and k[4] == "llama"}
+    assert len(llama) == 2 * 2 * 2  # tasks x samples x ratios
+    moved = differs = 0
+    for (task, sample, method, target, _), r in llama.items():
+        o = recs[(task, sample, method, target, "ref")]
+        assert r["params"] == o["params"] == {"k": int(target * r["S"])} and r["ratio"] == o["ratio"]
+        if task == "bpc":
+            assert abs(r["score"] - o["score"]) <= EXACT_TOPK_TOL, (sample, target)
+            dense = recs[(task, sample, "dense", 1.0, "llama")]["score"]
+            moved += abs(r["score"] - dense) > 10 * abs(r["score"] - o["score"])
+            differs += r["score"] != recs[(task, sample, "sparq", target, "llama")]["score"]
+        else:
+            assert len(r["output_tokens"]) >= 8
+            assert r["output_tokens"] == o["output_tokens"], (sample, target)
+    assert moved, "exact top-k at 1/8 and 1/16 scored exactly like dense: the selection did not run"
+    assert differs, "exact top-k scored as SparQ at its own r: the head size was not used"
 
 
 def test_llama_cpp_loki_scores_equal_reference(models, tmp_path):

@@ -18,7 +18,7 @@ NAMES = {"gemma-3-270m-q4_k_m.gguf": "Gemma 3 270M", "SmolLM2-135M-Instruct.Q4_1
 
 
 def _setting(method: str, params: dict) -> str:
-    name = {"sparq": "SparQ", "loki": "Loki"}.get(method.split("@")[0], method)
+    name = {"sparq": "SparQ", "loki": "Loki", "exact-topk": "exact top-k"}.get(method.split("@")[0], method)
     keys = [f"{k} = {params[k]}" for k in ("r", "d", "k", "l", "sink") if k in params]
     return f"{name} ({', '.join(keys)})" if keys else name
 
@@ -52,7 +52,8 @@ def rows(doc: dict, where: str) -> tuple[str, list[str], list[list[str]]]:
 
 
 def markdown(paths) -> str:
-    """The table of every file's rows, in the order given (their domains must agree)."""
+    """The table of every file's rows, in the order given (their domains must agree); a row that an earlier file
+    gave, figures and all (a setting run again on the same windows by the same build), is not repeated."""
     names, table = None, []
     for path in paths:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -60,8 +61,9 @@ def markdown(paths) -> str:
         if names is not None and got != names:
             raise SparqError(f"{path} has domains {got}, the files before it {names}")
         names = got
-        table += body if not table else [r for r in body if r[1] != "dense (bits per character)" or r[0] not in
-                                         {t[0] for t in table}]
+        # a model's dense row once; a row another file gave already (the same setting, the same figures) once
+        table += [r for r in body if r not in table and (r[1] != "dense (bits per character)" or r[0] not in
+                                                         {t[0] for t in table})]
     return doctable.markdown_table(["model", "setting", "ratio"] + names + ["worst domain"], table)
 
 

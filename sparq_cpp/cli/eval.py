@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from sparq_cpp import lazy
+from sparq_cpp.bench.machine import machine_info
 from sparq_cpp.cli.options import (CACHE_OPTION_NAMES, THREADS_HELP, Command, attention_options, model_option,
                                    progress_enabled, progress_option, projection_beside, resolve_model, threads_type)
 from sparq_cpp.errors import SparqError
@@ -17,6 +18,7 @@ from sparq_cpp.evaluation.methods import parse_methods
 from sparq_cpp.evaluation.runner import EvalConfig, run
 from sparq_cpp.evaluation.sweep import parse_ratios
 from sparq_cpp.outfile import check_writable
+from sparq_cpp.pyext.build import installed_build
 
 DEFAULT_METHODS = "dense,sparq,h2o,lm-infinite"
 
@@ -77,6 +79,13 @@ def _domains(items) -> dict:
     return out
 
 
+def _machine(threads) -> dict:
+    """What ran the figures: the CPU, the threads and the llama.cpp build installed (its key names the patches)."""
+    build = installed_build()
+    return {**machine_info(), "threads": threads,
+            "build": None if build is None else {k: build.get(k) for k in ("key", "series_hash", "pin")}}
+
+
 # the attention group's options eval takes: the methods and ratios choose the rest (k, l and ALISA's c per ratio)
 EVAL_OPTIONS = ("--sparq-r", "--loki-d", "--sparse-sink", "--mean-value", "--loki-pca", "--cache-type-k", "--cache-type-v",
                 "--cache-type")
@@ -96,7 +105,8 @@ EVAL_OPTIONS = ("--sparq-r", "--loki-d", "--sparse-sink", "--mean-value", "--lok
                    "loss against dense and the worst. `python -m sparq_cpp.train eval-data` writes four.")
 @click.option("--methods", default=DEFAULT_METHODS, show_default=True,
               help="Comma-separated, from: dense, sparq, loki (llama.cpp), exact-topk, h2o, lm-infinite, alisa "
-                   "(reference); METHOD@ref or METHOD@llama picks the backend (alisa@llama: llama.cpp's alisa).")
+                   "(reference); METHOD@ref or METHOD@llama picks the backend (alisa@llama: llama.cpp's alisa; "
+                   "exact-topk@llama: llama.cpp's SparQ with r = the head size, l = 0, no mean value).")
 @click.option("--ratios", default="1,1/2,1/4,1/8,1/16", show_default=True,
               help="Target compression ratios (attention data read / dense, docs/spec.md).")
 @click.option("--samples", type=int, default=4, show_default=True, help="bpc / repetition / copy: samples per task.")
@@ -165,6 +175,7 @@ def command(model, task_list, data, domain_items, methods, ratios, samples, cont
         loki_local=loki_share, loki_d=d, sink=0 if sink is None else sink, mean_value=mean_value,
         loki_projection=loki_pca, seed=seed, progress=progress_enabled(progress))
     doc = run(cfg, log=lambda s: click.echo(s, err=True))
+    doc["machine"] = _machine(cfg.threads)
     doc["summary"] = results.summarize(doc["records"])
     doc["grid"] = results.grid(doc["records"])
     doc["domains"] = results.domains(doc["summary"])

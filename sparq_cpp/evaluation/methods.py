@@ -1,5 +1,5 @@
-"""Methods and the two backends that run them: llama.cpp (dense, sparq, loki, and alisa as alisa@llama) and the
-numpy/Numba reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa; its session is
+"""Methods and the two backends that run them: llama.cpp (dense, sparq, loki, and alisa and exact-topk as
+alisa@llama and exact-topk@llama) and the numpy/Numba reference (every method: dense, sparq, loki, exact-topk, h2o, lm-infinite, alisa; its session is
 ref_session.py's, which needs numba).
 
 A backend session holds one model context and runs one sample at a time:
@@ -10,6 +10,11 @@ and returns their logits; ``rewind()`` drops everything after the prefill, so th
 sweep share one prefill. llama.cpp's sparse contexts keep multi-token prompt batches dense and
 decode sparse, so its prefill never hands it a one-token batch; the reference wraps methods in
 ``DensePrompt`` for the same effect (and H2O accumulates the prompt's attention scores there).
+
+exact-topk@llama is llama.cpp's SparQ with r = the head size, l = 0, no first positions forced in and no mean
+value: with every component the approximate scores are the exact softmax (tau = sqrt(D)), so its selection is the
+exact top-k of the group-summed softmax, the reference's ExactTopKAttention (docs/spec.md "Baselines"). It runs in
+the SparQ context, sharing its prefill.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from sparq_cpp.evaluation.sweep import METHODS
 from sparq_cpp.llm import open_model
 
 BACKENDS = ("llama", "ref")
-LLAMA_METHODS = ("dense", "sparq", "loki", "alisa")
+LLAMA_METHODS = ("dense", "sparq", "loki", "alisa", "exact-topk")
 DEFAULT_BACKEND = {"dense": "llama", "sparq": "llama", "loki": "llama", "exact-topk": "ref", "h2o": "ref",
                    "lm-infinite": "ref", "alisa": "ref"}
 
@@ -81,7 +86,7 @@ class LlamaSession:
         self.method, self.mean_value, self.loki_projection = method, mean_value, loki_projection
         if method == "dense":
             first = Dense()
-        elif method == "sparq":
+        elif method in ("sparq", "exact-topk"):
             first = SparQ(r=1, k=1, mean_value=mean_value)
         elif method == "loki":
             first = self._loki(d=1, k=1)
@@ -100,9 +105,11 @@ class LlamaSession:
     def _loki(self, **kw):
         return Loki(projection=self.loki_projection, **kw)
 
-    def _attention(self, params: dict, sparse_rows: bool):
+    def _attention(self, params: dict, sparse_rows: bool, method: str | None = None):
         if self.method == "dense" or (self.method == "alisa" and not sparse_rows):
             return Dense()
+        if method == "exact-topk" or (method is None and self.method == "exact-topk"):
+            return SparQ(r=self.summary.head_dim, k=params["k"], l=0, mean_value=False, sparse_prompt=sparse_rows)
         if self.method == "alisa":
             return ALISA(c=params["c"])
         if self.method == "sparq":
@@ -137,12 +144,12 @@ class LlamaSession:
         self.llm.n_tokens = self.n_prefill
 
     def use(self, params: dict, method: str | None = None):
-        """Attend with the session's method, or with llama.cpp's dense attention (method "dense") in a
-        SparQ context: its prefill is a dense one, so dense and SparQ share it."""
+        """Attend with the session's method, or with llama.cpp's dense attention (method "dense") or exact top-k
+        (method "exact-topk") in a SparQ context: its prefill is a dense one, so they share it."""
         if method == "dense" and self.method != "dense":
             self.llm.set_attention(Dense())
         elif self.method != "dense":
-            self.llm.set_attention(self._attention(params, sparse_rows=True))
+            self.llm.set_attention(self._attention(params, sparse_rows=True, method=method))
 
     def feed(self, tokens) -> np.ndarray:
         if len(tokens) > 1 and not self.llm._logits_all:

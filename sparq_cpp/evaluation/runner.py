@@ -162,17 +162,19 @@ def run(cfg: EvalConfig, log=print) -> dict:
 
 
 def _session_key(spec: MethodSpec, shared_dense: bool = False):
-    """Which backend context runs spec. With shared_dense, llama.cpp's dense runs use the SparQ
-    context (one prefill less per sample: at 8k tokens most of a sample's time)."""
+    """Which backend context runs spec. exact-topk on llama.cpp is SparQ with r = D: the SparQ context. With
+    shared_dense, llama.cpp's dense runs use it too (one prefill less per sample: at 8k tokens most of a
+    sample's time)."""
     if spec.backend != "llama":
         return ("ref",)
-    if shared_dense and spec.method == "dense":
+    if spec.method == "exact-topk" or (shared_dense and spec.method == "dense"):
         return ("llama", "sparq")
     return (spec.backend, spec.method)
 
 
 def _shares_dense(runs) -> bool:
-    return any(s.backend == "llama" and s.method == "sparq" for s, _ in runs)
+    """Whether the runs open a SparQ context (sparq or exact-topk on llama.cpp), whose prefill dense can share."""
+    return any(s.backend == "llama" and s.method in ("sparq", "exact-topk") for s, _ in runs)
 
 
 def _alisa_c_max(runs, samples, D, cfg) -> float | None:
